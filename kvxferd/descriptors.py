@@ -1,0 +1,178 @@
+"""From plans to NIXL inputs: descriptor arrays and per-request descriptor indices.
+
+Descriptor ids of one side of a PeerPlan, template-major:
+
+    template 0: phase 0: page 0 .. pages-1 | phase 1: page 0 .. | ...
+    template 1: ...
+    desc_id = base[t] + phase * pages[t] + page
+
+Everything is vectorized numpy; a 70B-class layout has millions of descriptors per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import Geometry
+from .planner import GroupPairing, PeerPlan, PlanError, RankPlan, is_attention
+
+
+def region_addresses(geo: Geometry, buffer_bases: list[int] | tuple[int, ...]) -> np.ndarray:
+    """Absolute address of every region, given where each buffer is mapped."""
+    if len(buffer_bases) != len(geo.buffers):
+        raise PlanError(f"{len(buffer_bases)} buffer addresses for {len(geo.buffers)} buffers")
+    return np.array([buffer_bases[r.buffer] + r.offset for r in geo.regions], dtype=np.int64)
+
+
+def descriptor_array(region_addr: np.ndarray, region: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                     step: np.ndarray, stride: np.ndarray, pages: np.ndarray, phases: np.ndarray,
+                     device: int = 0) -> np.ndarray:
+    """(N, 3) int64 [addr, len, dev] rows for all (template, phase, page), in desc-id order."""
+    rows_per = phases * pages
+    total = int(rows_per.sum())
+    out = np.empty((total, 3), dtype=np.int64)
+    out[:, 2] = device
+    # Templates sharing (pages, phases) -- the usual case -- are filled as one 3-D broadcast.
+    start = 0
+    for t0, t1 in _runs(pages, phases):
+        n_pages, n_phases = int(pages[t0]), int(phases[t0])
+        base = (region_addr[region[t0:t1]] + offset[t0:t1])[:, None, None]
+        ph = np.arange(n_phases, dtype=np.int64)[None, :, None] * step[t0:t1, None, None]
+        pg = np.arange(n_pages, dtype=np.int64)[None, None, :] * stride[t0:t1, None, None]
+        n = (t1 - t0) * n_phases * n_pages
+        out[start:start + n, 0].reshape(t1 - t0, n_phases, n_pages)[...] = base + ph + pg
+        out[start:start + n, 1].reshape(t1 - t0, n_phases * n_pages)[...] = length[t0:t1, None]
+        start += n
+    return out
+
+
+def _runs(pages: np.ndarray, phases: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal index runs with equal (pages, phases)."""
+    key = pages * 1_000_003 + phases
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    bounds = np.concatenate(([0], cuts, [len(key)])).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def local_descs(peer: PeerPlan, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
+    return descriptor_array(region_addr, peer.local_region, peer.local_offset, peer.length, peer.local_step,
+                            peer.local_stride, peer.local_pages, peer.local_phases, device)
+
+
+def remote_descs(peer: PeerPlan, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
+    return descriptor_array(region_addr, peer.remote_region, peer.remote_offset, peer.length, peer.remote_step,
+                            peer.remote_stride, peer.remote_pages, peer.remote_phases, device)
+
+
+@dataclass(frozen=True)
+class RequestBlocks:
+    """One read: the prompt length and, per cache group, the block ids on each side.
+
+    Attention groups: each list covers the *last* blocks of the prompt on its side (block
+    k of a list of n is prompt block ceil(num_tokens / tokens_per_block) - n + k), so a
+    partial prefix hit passes only the missing local blocks and a sliding window only
+    its window. State groups: blocks pair one to one.
+    """
+
+    num_tokens: int
+    local: tuple[np.ndarray, ...]
+    remote: tuple[np.ndarray, ...]
+
+    @classmethod
+    def of(cls, num_tokens: int, local, remote) -> "RequestBlocks":
+        return cls(num_tokens, tuple(np.asarray(b, dtype=np.int64) for b in local),
+                   tuple(np.asarray(b, dtype=np.int64) for b in remote))
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Per chunk of a group: the kernel page and phase on each side."""
+
+    local_page: np.ndarray
+    local_phase: np.ndarray
+    remote_page: np.ndarray
+    remote_phase: np.ndarray
+
+
+def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np.ndarray) -> Chunks:
+    """The chunks one group moves for a request, validated against the group's block counts."""
+    _check_ids(p.name, "local", local, p.local_num_blocks)
+    _check_ids(p.name, "remote", remote, p.remote_num_blocks)
+    if not is_attention(p):
+        if len(local) != len(remote):
+            raise PlanError(f"state group {p.name}: {len(local)} local blocks but {len(remote)} remote blocks")
+        zero = np.zeros(len(local), dtype=np.int64)
+        return Chunks(local, zero, remote, zero)
+    if num_tokens < 0:
+        raise PlanError(f"num_tokens {num_tokens} is negative")
+    lt, rt, c = p.local_tokens_per_block, p.remote_tokens_per_block, p.chunk_tokens
+    local_total, remote_total = -(-num_tokens // lt), -(-num_tokens // rt)
+    if len(local) > local_total or len(remote) > remote_total:
+        raise PlanError(f"group {p.name}: {num_tokens} tokens fill {local_total} local / {remote_total} remote "
+                        f"blocks, got {len(local)} local / {len(remote)} remote block ids")
+    local_start = (local_total - len(local)) * lt
+    remote_start = (remote_total - len(remote)) * rt
+    end = -(-num_tokens // c) * c
+    if local_start >= end:
+        return Chunks(*(np.zeros(0, dtype=np.int64),) * 4)
+    if remote_start > local_start:
+        raise PlanError(f"group {p.name}: remote blocks start at token {remote_start}, after the first "
+                        f"missing local token {local_start}")
+    tokens = np.arange(local_start, end, c, dtype=np.int64)
+    lpage, lphase = _pages(tokens - local_start, local, lt // p.local_pages_per_block, p.local_pages_per_block, c)
+    rpage, rphase = _pages(tokens - remote_start, remote, rt // p.remote_pages_per_block,
+                           p.remote_pages_per_block, c)
+    return Chunks(lpage, lphase, rpage, rphase)
+
+
+def _pages(offsets: np.ndarray, blocks: np.ndarray, tokens_per_page: int, pages_per_block: int,
+           chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel page and phase of each token offset (relative to the first listed block)."""
+    page_pos = offsets // tokens_per_page
+    page = blocks[page_pos // pages_per_block] * pages_per_block + page_pos % pages_per_block
+    return page, (offsets % tokens_per_page) // chunk
+
+
+def _check_ids(group: str, side: str, ids: np.ndarray, limit: int) -> None:
+    if ids.ndim != 1:
+        raise PlanError(f"group {group}: {side} block ids must be a flat list")
+    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)]
+        raise PlanError(f"group {group}: {side} block ids {bad[:8].tolist()} out of range 0..{limit - 1}")
+
+
+def request_chunks(plan: RankPlan, req: RequestBlocks) -> list[Chunks]:
+    if len(req.local) != len(plan.groups) or len(req.remote) != len(plan.groups):
+        raise PlanError(f"request names {len(req.local)} local / {len(req.remote)} remote block lists "
+                        f"for {len(plan.groups)} cache groups")
+    return [group_chunks(p, req.num_tokens, lo, re) for p, lo, re in zip(plan.groups, req.local, req.remote)]
+
+
+def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.ndarray]:
+    """Local and remote descriptor ids of one request on one peer; NIXL pairs them by position."""
+    local_parts, remote_parts = [], []
+    for g, t in peer.by_group.items():
+        ch = chunks[g]
+        if not len(ch.local_page):
+            continue
+        local_parts.append((peer.local_base[t, None] + ch.local_phase * peer.local_pages[t, None]
+                            + ch.local_page).ravel())
+        remote_parts.append((peer.remote_base[t, None] + ch.remote_phase * peer.remote_pages[t, None]
+                             + ch.remote_page).ravel())
+    if not local_parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    return np.concatenate(local_parts), np.concatenate(remote_parts)
+
+
+def request_indices(plan: RankPlan, req: RequestBlocks) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per remote rank read from: (local ids, remote ids). Ranks with nothing to read are left out."""
+    chunks = request_chunks(plan, req)
+    out = {}
+    for rank, peer in plan.peers.items():
+        lids, rids = peer_indices(peer, chunks)
+        if len(lids):
+            out[rank] = (lids, rids)
+    return out

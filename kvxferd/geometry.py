@@ -1,0 +1,180 @@
+"""How one tensor-parallel rank's KV memory is laid out.
+
+Vocabulary (one for every model kind):
+
+    buffer   a block of memory the engine shares with the daemon (one shm file,
+             one CUDA allocation); the daemon learns its base address at mapping time
+    region   a contiguous byte range inside a buffer: one layer, or one layer's K or V
+    view     how one cache group sees a region: `num_pages` pages of `page_stride` bytes
+             (an SSM group may see the same region with pages spanning several
+             attention kernel pages)
+    segment  a fixed byte range inside every page of a view, sharded across TP ranks
+
+    page of a unit-major (HND) segment, this rank holding units [start, stop):
+
+      offset
+      v
+      | unit start            | unit start+1          | ... | unit stop-1           |
+      | tok0 | tok1 | ... tokT| tok0 | tok1 | ... tokT|     |                       |
+        <--->  token_bytes
+        <---------------------> unit_bytes = tokens * token_bytes
+
+    page of a token-major (NHD) segment: | tok0: units... | tok1: units... | ...
+
+A state segment (Mamba conv / SSM state) is a segment with one "token" per page.
+Nothing in this module does I/O; it crosses the wire as msgspec structs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+UNIT_MAJOR = "unit_major"
+TOKEN_MAJOR = "token_major"
+ATTENTION = "attention"
+STATE = "state"
+
+
+class GeometryError(ValueError):
+    """A geometry that cannot describe real memory; the message names the field."""
+
+
+class Segment(msgspec.Struct, frozen=True):
+    name: str
+    offset: int  # byte offset inside the page
+    total_units: int  # units across all ranks (kv heads, conv channels, ssm heads, 1 for MLA)
+    unit_start: int  # this rank holds units [unit_start, unit_stop)
+    unit_stop: int
+    tokens: int  # tokens per page (1 for state segments)
+    token_bytes: int  # bytes of one token of one unit
+    layout: Literal["unit_major", "token_major"] = UNIT_MAJOR
+
+    @property
+    def local_units(self) -> int:
+        return self.unit_stop - self.unit_start
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.tokens * self.token_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.local_units * self.unit_bytes
+
+
+class View(msgspec.Struct, frozen=True):
+    name: str  # layer name, stable across TP sizes
+    region: int
+    page_stride: int
+    num_pages: int
+    segments: tuple[Segment, ...]
+
+
+class CacheGroup(msgspec.Struct, frozen=True):
+    name: str
+    kind: Literal["attention", "state"]
+    tokens_per_block: int  # logical block; 0 for state groups
+    pages_per_block: int  # kernel pages per logical block
+    views: tuple[View, ...]
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.tokens_per_block // self.pages_per_block if self.kind == ATTENTION else 1
+
+    @property
+    def num_blocks(self) -> int:
+        return min(v.num_pages for v in self.views) // self.pages_per_block
+
+
+class Region(msgspec.Struct, frozen=True):
+    buffer: int
+    offset: int
+    length: int
+
+
+class Geometry(msgspec.Struct, frozen=True):
+    model: str  # a model identity string; part of the compatibility hash
+    dtype: str
+    tp_size: int
+    tp_rank: int
+    buffers: tuple[int, ...]  # byte size of each buffer
+    regions: tuple[Region, ...]
+    groups: tuple[CacheGroup, ...]
+
+    def describe(self) -> str:
+        return f"{self.model} tp{self.tp_rank}/{self.tp_size}"
+
+
+def shard(total_units: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
+    """The unit range [start, stop) that `tp_rank` of `tp_size` holds.
+
+    tp_size <= total: contiguous equal slices. tp_size > total: every rank holds one
+    unit, neighbouring ranks share it (replicas are contiguous, as vLLM lays them out).
+    """
+    if total_units < 1:
+        raise GeometryError(f"{what}: total units must be >= 1, got {total_units}")
+    if not 0 <= tp_rank < tp_size:
+        raise GeometryError(f"{what}: tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    if tp_size <= total_units:
+        if total_units % tp_size:
+            raise GeometryError(f"{what}: {total_units} units do not divide over TP {tp_size}")
+        per = total_units // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    if tp_size % total_units:
+        raise GeometryError(f"{what}: TP {tp_size} is not a multiple of {total_units} units")
+    unit = tp_rank * total_units // tp_size
+    return unit, unit + 1
+
+
+def validate(geo: Geometry) -> Geometry:
+    """Check that every page and segment lies inside its region; raise GeometryError naming it."""
+    if not 0 <= geo.tp_rank < geo.tp_size:
+        raise GeometryError(f"tp_rank {geo.tp_rank} out of range for tp_size {geo.tp_size}")
+    for i, reg in enumerate(geo.regions):
+        if not 0 <= reg.buffer < len(geo.buffers):
+            raise GeometryError(f"region {i}: buffer {reg.buffer} does not exist")
+        if reg.offset < 0 or reg.length <= 0 or reg.offset + reg.length > geo.buffers[reg.buffer]:
+            raise GeometryError(f"region {i}: [{reg.offset}, +{reg.length}) outside buffer {reg.buffer}")
+    for g in geo.groups:
+        if g.kind not in (ATTENTION, STATE):
+            raise GeometryError(f"group {g.name}: unknown kind {g.kind!r}")
+        if g.pages_per_block < 1 or not g.views:
+            raise GeometryError(f"group {g.name}: needs pages_per_block >= 1 and at least one view")
+        if g.kind == ATTENTION and (g.tokens_per_block < 1 or g.tokens_per_block % g.pages_per_block):
+            raise GeometryError(f"group {g.name}: tokens_per_block {g.tokens_per_block} "
+                                f"not a multiple of pages_per_block {g.pages_per_block}")
+        for v in g.views:
+            where = f"group {g.name} view {v.name}"
+            if not 0 <= v.region < len(geo.regions):
+                raise GeometryError(f"{where}: region {v.region} does not exist")
+            if v.page_stride <= 0 or v.num_pages <= 0:
+                raise GeometryError(f"{where}: page_stride and num_pages must be positive")
+            if v.page_stride * v.num_pages > geo.regions[v.region].length:
+                raise GeometryError(f"{where}: {v.num_pages} pages of {v.page_stride} B exceed the region")
+            for s in v.segments:
+                _validate_segment(s, g, v, where)
+    return geo
+
+
+def _validate_segment(s: Segment, g: CacheGroup, v: View, where: str) -> None:
+    where = f"{where} segment {s.name}"
+    if not 0 <= s.unit_start < s.unit_stop <= s.total_units:
+        raise GeometryError(f"{where}: unit range [{s.unit_start}, {s.unit_stop}) outside 0..{s.total_units}")
+    if s.token_bytes <= 0 or s.tokens != g.tokens_per_page:
+        raise GeometryError(f"{where}: tokens {s.tokens} must equal the group's tokens per page "
+                            f"{g.tokens_per_page}, token_bytes must be positive")
+    if s.layout not in (UNIT_MAJOR, TOKEN_MAJOR):
+        raise GeometryError(f"{where}: unknown layout {s.layout!r}")
+    if s.offset < 0 or s.offset + s.nbytes > v.page_stride:
+        raise GeometryError(f"{where}: [{s.offset}, +{s.nbytes}) outside the {v.page_stride} B page")
+
+
+def decode(data: bytes) -> Geometry:
+    """Decode and validate a geometry received from an engine or a peer."""
+    try:
+        geo = msgspec.msgpack.decode(data, type=Geometry)
+    except msgspec.DecodeError as exc:
+        raise GeometryError(f"malformed geometry: {exc}") from exc
+    return validate(geo)

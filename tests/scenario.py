@@ -1,0 +1,110 @@
+"""Test scenario: a prompt prefilled by every prefill rank, read by every decode rank.
+
+The read is executed by copying bytes between numpy buffers exactly as NIXL pairs
+descriptors (local_ids[i] <- remote_ids[i]); the result is compared with what the decode
+rank would hold had it computed the cache itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd import testing
+from kvxferd.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from kvxferd.geometry import ATTENTION, Geometry
+from kvxferd.models import ModelShape, build
+from kvxferd.planner import RankPlan, plan_rank
+
+
+def allocate_blocks(geo: Geometry, num_tokens: int, rng: np.random.Generator) -> tuple[tuple[int, ...], ...]:
+    """Distinct block ids for every group, drawn from one pool (groups may share regions)."""
+    need = testing.blocks_needed(geo, num_tokens)
+    pool_size = min(g.num_blocks for g in geo.groups)
+    assert sum(need) <= pool_size, "scenario needs more blocks than the geometry has"
+    pool = rng.permutation(pool_size)
+    out, at = [], 0
+    for n in need:
+        out.append(tuple(int(b) for b in pool[at:at + n]))
+        at += n
+    return tuple(out)
+
+
+def execute(plan: RankPlan, req: RequestBlocks, local_geo: Geometry, local_bufs: list[np.ndarray],
+            remote_geos: dict[int, Geometry], remote_bufs: dict[int, list[np.ndarray]]) -> int:
+    """Copy bytes as NIXL would for one decode rank; return the bytes moved."""
+    assert len(local_bufs) == 1, "scenario geometries use one buffer per rank"
+    local_addr = region_addresses(local_geo, [0])
+    moved = 0
+    for rank, (lids, rids) in request_indices(plan, req).items():
+        peer = plan.peers[rank]
+        ldesc = local_descs(peer, local_addr)
+        rdesc = remote_descs(peer, region_addresses(remote_geos[rank], [0]))
+        assert len(ldesc) == peer.num_local_descs and len(rdesc) == peer.num_remote_descs
+        assert lids.max() < len(ldesc) and rids.max() < len(rdesc)
+        dst, src = local_bufs[0], remote_bufs[rank][0]
+        for li, ri in zip(lids.tolist(), rids.tolist()):
+            la, ln, _ = ldesc[li]
+            ra, rn, _ = rdesc[ri]
+            assert ln == rn, "NIXL pairs descriptors of equal length only"
+            dst[la:la + ln] = src[ra:ra + rn]
+            moved += int(ln)
+    return moved
+
+
+@dataclass
+class Outcome:
+    plans: list[RankPlan]
+    moved: int
+    notifications: dict[int, int]  # prefill rank -> notifications received
+
+
+def run(p_shape: ModelShape, p_tp: int, d_shape: ModelShape, d_tp: int, num_tokens: int,
+        hit_tokens: int = 0, remote_tail_only: bool = False, seed: int = 0, merge: bool = True) -> Outcome:
+    """Prefill, plan, read, verify every decode rank byte for byte; raise AssertionError on a mismatch."""
+    rng = np.random.default_rng(seed)
+    p_geos = {r: build(p_shape, p_tp, r) for r in range(p_tp)}
+    d_geos = [build(d_shape, d_tp, r) for r in range(d_tp)]
+    p_blocks = allocate_blocks(p_geos[0], num_tokens, rng)
+    p_bufs = {}
+    for r, geo in p_geos.items():
+        p_bufs[r] = testing.allocate(geo)
+        testing.fill_sequence(p_bufs[r], geo, testing.Sequence(7, num_tokens, p_blocks))
+    d_blocks = allocate_blocks(d_geos[0], num_tokens, rng)
+    seq = testing.Sequence(7, num_tokens, d_blocks)
+    outcome = Outcome([], 0, {r: 0 for r in range(p_tp)})
+    for geo in d_geos:
+        bufs = testing.allocate(geo)
+        hit = [min(hit_tokens // g.tokens_per_block, len(d_blocks[gi])) if g.kind == ATTENTION else 0
+               for gi, g in enumerate(geo.groups)]
+        testing.fill_sequence(bufs, geo, seq, upto_block=hit)
+        before = [b.copy() for b in bufs]
+        plan = plan_rank(geo, {t: p_geos[t] for t in _targets(geo, p_tp)}, merge=merge)
+        local = [np.array(d_blocks[gi][hit[gi]:]) for gi in range(len(geo.groups))]
+        remote = [np.array(b) for b in p_blocks]
+        if remote_tail_only:
+            remote = [_needed_tail(g, pg, p_geos[0].groups[gi], num_tokens, hit[gi])
+                      for gi, (g, pg) in enumerate(zip(geo.groups, remote))]
+        req = RequestBlocks.of(num_tokens, local, remote)
+        outcome.moved += execute(plan, req, geo, bufs, p_geos, p_bufs)
+        for t in plan.targets:
+            outcome.notifications[t] += 1
+        expected = testing.expect_after_read(before, geo, seq, hit, [p.chunk_tokens for p in plan.groups])
+        bad = testing.check(bufs, expected, geo)
+        assert not bad, f"decode rank {geo.tp_rank}: {bad}"
+        outcome.plans.append(plan)
+    return outcome
+
+
+def _targets(geo: Geometry, p_tp: int) -> tuple[int, ...]:
+    from kvxferd.planner import targets
+    return targets(geo.tp_rank, geo.tp_size, p_tp)
+
+
+def _needed_tail(d_group, p_ids: np.ndarray, p_group, num_tokens: int, hit_blocks: int) -> np.ndarray:
+    """Only the prefill blocks that hold missing tokens (a caller that trims the remote list)."""
+    if d_group.kind != ATTENTION:
+        return p_ids
+    first_token = hit_blocks * d_group.tokens_per_block
+    return p_ids[first_token // p_group.tokens_per_block:]
