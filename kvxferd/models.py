@@ -181,6 +181,11 @@ def _state_segments(shape: ModelShape, tp_size: int, tp_rank: int) -> list[Segme
     return segments
 
 
+def state_pages(state_bytes: int, kernel_page_bytes: int) -> int:
+    """Attention kernel pages one SSM state page spans."""
+    return math.ceil(state_bytes / kernel_page_bytes)
+
+
 def _hybrid(shape: ModelShape, tp_size: int, tp_rank: int) -> Geometry:
     """Attention and SSM layers sharing regions (vLLM's hybrid KV cache manager).
 
@@ -195,7 +200,7 @@ def _hybrid(shape: ModelShape, tp_size: int, tp_rank: int) -> Geometry:
     kernel_page = 2 * (heads[1] - heads[0]) * kernel * token_bytes
     segments = _state_segments(shape, tp_size, tp_rank)
     state_bytes = sum(s.nbytes for s in segments)
-    phys = math.ceil(state_bytes / kernel_page)
+    phys = state_pages(state_bytes, kernel_page)
     n_shared = max(shape.layers, shape.ssm_layers)
     lay = _Layout()
     regions = [lay.region(kernel_page * phys * shape.num_blocks) for _ in range(n_shared)]

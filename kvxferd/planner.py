@@ -258,7 +258,7 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
     for p in pieces[1:]:
         q = out[-1]
         if ((p.group, p.local_view, p.remote_view) == (q.group, q.local_view, q.remote_view)
-                and q.length == q.local_step == q.remote_step == p.length == p.local_step == p.remote_step
+                and q.length == q.local_step == q.remote_step and p.length == p.local_step == p.remote_step
                 and q.local_offset + q.length == p.local_offset and q.remote_offset + q.length == p.remote_offset):
             length = q.length + p.length
             out[-1] = Piece(q.group, f"{q.key}+{p.key}", q.local_view, q.remote_view,
