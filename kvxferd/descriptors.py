@@ -88,12 +88,12 @@ class RequestBlocks:
 
 @dataclass(frozen=True)
 class Chunks:
-    """Per chunk of a group: the kernel page and phase on each side."""
+    """Per chunk of a group: the kernel page and phase on each side (phase None: all 0)."""
 
     local_page: np.ndarray
-    local_phase: np.ndarray
+    local_phase: np.ndarray | None
     remote_page: np.ndarray
-    remote_phase: np.ndarray
+    remote_phase: np.ndarray | None
 
 
 def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np.ndarray) -> Chunks:
@@ -103,8 +103,7 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
     if not is_attention(p):
         if len(local) != len(remote):
             raise PlanError(f"state group {p.name}: {len(local)} local blocks but {len(remote)} remote blocks")
-        zero = np.zeros(len(local), dtype=np.int64)
-        return Chunks(local, zero, remote, zero)
+        return Chunks(local, None, remote, None)
     if num_tokens < 0:
         raise PlanError(f"num_tokens {num_tokens} is negative")
     lt, rt, c = p.local_tokens_per_block, p.remote_tokens_per_block, p.chunk_tokens
@@ -116,10 +115,14 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
     remote_start = (remote_total - len(remote)) * rt
     end = -(-num_tokens // c) * c
     if local_start >= end:
-        return Chunks(*(np.zeros(0, dtype=np.int64),) * 4)
+        empty = np.zeros(0, dtype=np.int64)
+        return Chunks(empty, None, empty, None)
     if remote_start > local_start:
         raise PlanError(f"group {p.name}: remote blocks start at token {remote_start}, after the first "
                         f"missing local token {local_start}")
+    if lt == rt and p.local_pages_per_block == p.remote_pages_per_block == 1:  # the common case
+        skip = (local_start - remote_start) // rt
+        return Chunks(local, None, remote[skip:skip + len(local)], None)
     tokens = np.arange(local_start, end, c, dtype=np.int64)
     lpage, lphase = _pages(tokens - local_start, local, lt // p.local_pages_per_block, p.local_pages_per_block, c)
     rpage, rphase = _pages(tokens - remote_start, remote, rt // p.remote_pages_per_block,
@@ -132,13 +135,13 @@ def _pages(offsets: np.ndarray, blocks: np.ndarray, tokens_per_page: int, pages_
     """Kernel page and phase of each token offset (relative to the first listed block)."""
     page_pos = offsets // tokens_per_page
     page = blocks[page_pos // pages_per_block] * pages_per_block + page_pos % pages_per_block
-    return page, (offsets % tokens_per_page) // chunk
+    return page, (offsets % tokens_per_page) // chunk if tokens_per_page > chunk else None
 
 
 def _check_ids(group: str, side: str, ids: np.ndarray, limit: int) -> None:
-    if ids.ndim != 1:
-        raise PlanError(f"group {group}: {side} block ids must be a flat list")
-    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+    if ids.ndim != 1 or ids.dtype != np.int64:
+        raise PlanError(f"group {group}: {side} block ids must be a flat int64 list")
+    if len(ids) and ids.view(np.uint64).max() >= limit:  # negatives wrap to huge values
         bad = ids[(ids < 0) | (ids >= limit)]
         raise PlanError(f"group {group}: {side} block ids {bad[:8].tolist()} out of range 0..{limit - 1}")
 
@@ -153,18 +156,30 @@ def request_chunks(plan: RankPlan, req: RequestBlocks) -> list[Chunks]:
 def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.ndarray]:
     """Local and remote descriptor ids of one request on one peer; NIXL pairs them by position."""
     local_parts, remote_parts = [], []
-    for g, t in peer.by_group.items():
+    for g, cols in peer.by_group.items():
         ch = chunks[g]
         if not len(ch.local_page):
             continue
-        local_parts.append((peer.local_base[t, None] + ch.local_phase * peer.local_pages[t, None]
-                            + ch.local_page).ravel())
-        remote_parts.append((peer.remote_base[t, None] + ch.remote_phase * peer.remote_pages[t, None]
-                             + ch.remote_page).ravel())
+        local_parts.append(_ids(cols.local_base, cols.local_pages, ch.local_page, ch.local_phase))
+        remote_parts.append(_ids(cols.remote_base, cols.remote_pages, ch.remote_page, ch.remote_phase))
     if not local_parts:
-        empty = np.zeros(0, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int32)
         return empty, empty
+    if len(local_parts) == 1:
+        return local_parts[0], remote_parts[0]
     return np.concatenate(local_parts), np.concatenate(remote_parts)
+
+
+def _ids(base: np.ndarray, pages: np.ndarray, page: np.ndarray, phase: np.ndarray | None) -> np.ndarray:
+    """base[t] + phase[q] * pages[t] + page[q], flattened template-major. base/pages are (T, 1) int32.
+
+    int32 is what NIXL takes for indices; plans keep every id below 2**31.
+    """
+    page = page.astype(np.int32, copy=False)
+    ids = base + page
+    if phase is not None:
+        ids += phase.astype(np.int32) * pages
+    return ids.ravel()
 
 
 def request_indices(plan: RankPlan, req: RequestBlocks) -> dict[int, tuple[np.ndarray, np.ndarray]]:

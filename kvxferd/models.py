@@ -59,11 +59,19 @@ class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise GeometryError(f"unknown dtype {self.dtype!r}; one of {sorted(DTYPE_BYTES)}") from None
 
     def identity(self) -> str:
-        """A TP-independent name for the model; num_blocks and layout are per engine."""
-        skip = {"num_blocks", "layout", "kernel_block_size", "block_size"}
-        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f not in skip}
-        return self.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(fields.items()) if k != "kind")
+        """A TP-independent name for the model: the fields of its kind, not per-engine choices."""
+        return self.kind + ":" + ",".join(f"{k}={getattr(self, k)}" for k in _IDENTITY[self.kind])
 
+
+_ATTN = ("layers", "kv_heads", "head_dim", "dtype")
+_SSM = ("ssm_layers", "ssm_heads", "ssm_head_dim", "ssm_state", "ssm_groups", "conv_kernel")
+_IDENTITY = {
+    "dense": _ATTN,
+    "mla": ("layers", "latent_dim", "dtype"),
+    "mamba2": _ATTN + _SSM,
+    "gdn": _ATTN + _SSM,
+    "gemma4": _ATTN + ("full_layers", "full_kv_heads", "full_head_dim"),
+}
 
 PRESETS: dict[str, ModelShape] = {
     "dense": ModelShape(),

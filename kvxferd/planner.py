@@ -89,6 +89,16 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class GroupColumns:
+    """The id arithmetic of one group's templates, shaped (T, 1) to broadcast over chunks."""
+
+    local_base: np.ndarray
+    local_pages: np.ndarray
+    remote_base: np.ndarray
+    remote_pages: np.ndarray
+
+
+@dataclass(frozen=True)
 class PeerPlan:
     """What local rank reads from one remote rank: templates as numpy columns."""
 
@@ -112,7 +122,7 @@ class PeerPlan:
     remote_base: np.ndarray
     num_local_descs: int
     num_remote_descs: int
-    by_group: dict[int, np.ndarray] = field(default_factory=dict)  # template indices per group
+    by_group: dict[int, GroupColumns] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,15 @@ def _columns(rank: int, pieces: list[Piece], local: Geometry, remote: Geometry,
     rpages = col(v.num_pages for v in rviews)
     lsize, rsize = lphases * lpages, rphases * rpages
     groups = col(p.group for p in pieces)
+    lbase = np.concatenate(([0], np.cumsum(lsize)[:-1]))
+    rbase = np.concatenate(([0], np.cumsum(rsize)[:-1]))
+    by_group = {}
+    for g in np.unique(groups).tolist():
+        t = np.flatnonzero(groups == g)
+        by_group[g] = GroupColumns(*(np.ascontiguousarray(a[t, None], dtype=np.int32)
+                                     for a in (lbase, lpages, rbase, rpages)))
+    if max(lsize.sum(), rsize.sum()) >= 2**31:
+        raise PlanError(f"remote rank {rank}: {max(lsize.sum(), rsize.sum())} descriptors exceed NIXL's int32 ids")
     return PeerPlan(
         remote_rank=rank, pieces=tuple(pieces), group=groups,
         local_region=col(v.region for v in lviews), remote_region=col(v.region for v in rviews),
@@ -290,9 +309,8 @@ def _columns(rank: int, pieces: list[Piece], local: Geometry, remote: Geometry,
         local_step=col(p.local_step for p in pieces), remote_step=col(p.remote_step for p in pieces),
         local_stride=col(v.page_stride for v in lviews), remote_stride=col(v.page_stride for v in rviews),
         local_pages=lpages, remote_pages=rpages, local_phases=lphases, remote_phases=rphases,
-        local_base=np.concatenate(([0], np.cumsum(lsize)[:-1])), remote_base=np.concatenate(([0], np.cumsum(rsize)[:-1])),
-        num_local_descs=int(lsize.sum()), num_remote_descs=int(rsize.sum()),
-        by_group={g: np.flatnonzero(groups == g) for g in np.unique(groups).tolist()},
+        local_base=lbase, remote_base=rbase,
+        num_local_descs=int(lsize.sum()), num_remote_descs=int(rsize.sum()), by_group=by_group,
     )
 
 

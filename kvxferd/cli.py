@@ -1,0 +1,115 @@
+"""The `kvxferd` command line: serve, status, plan, demo, bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import typer
+
+from . import __version__
+
+app = typer.Typer(help="kvxferd: KV-cache transfer sidecar daemon for disaggregated LLM serving.",
+                  no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks; each prints a table, or JSON with --json.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"kvxferd: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)
+
+
+@app.command()
+def plan(
+    model: str = typer.Option("dense", help="Preset to start from: dense, mla, mamba2, gdn, gemma4."),
+    p_tp: int = typer.Option(2, "--p-tp", help="Prefill tensor-parallel size."),
+    d_tp: int = typer.Option(4, "--d-tp", help="Decode tensor-parallel size."),
+    layers: Optional[int] = typer.Option(None, help="Attention layers."),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads (total)."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim"),
+    dtype: Optional[str] = typer.Option(None, help="fp8, bf16, fp16, fp32."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block on both sides."),
+    p_block_size: Optional[int] = typer.Option(None, "--p-block-size"),
+    d_block_size: Optional[int] = typer.Option(None, "--d-block-size"),
+    kernel_block_size: Optional[int] = typer.Option(None, "--kernel-block-size"),
+    layout: Optional[str] = typer.Option(None, help="hnd, nhd or blocks-first."),
+    mla: bool = typer.Option(False, "--mla", help="MLA latent cache (same as --model mla)."),
+    num_blocks: Optional[int] = typer.Option(None, "--num-blocks"),
+    rank: Optional[int] = typer.Option(None, help="Only this decode rank."),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="JSON or TOML with [prefill] and [decode]."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (docs/plan.md)."),
+) -> None:
+    """Explain the transfer plan between a prefill and a decode engine, offline."""
+    from .explain import SCHEMA_VERSION, rank_plan_dict, render_table
+    from .geometry import GeometryError
+    from .models import PRESETS, ModelShape, build
+    from .planner import PlanError, plan_rank, targets
+
+    try:
+        if file is not None:
+            p_shape, d_shape, p_tp, d_tp = _plan_file(file)
+        else:
+            base = PRESETS.get("mla" if mla else model)
+            if base is None:
+                fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")
+            over = {k: v for k, v in dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                          block_size=block_size, kernel_block_size=kernel_block_size,
+                                          layout=layout, num_blocks=num_blocks).items() if v is not None}
+            shape = msgspec.convert({**msgspec.to_builtins(base), **over}, ModelShape)
+            p_shape = msgspec.structs.replace(shape, block_size=p_block_size or shape.block_size)
+            d_shape = msgspec.structs.replace(shape, block_size=d_block_size or shape.block_size)
+        ranks = [rank] if rank is not None else list(range(d_tp))
+        docs = []
+        for r in ranks:
+            local = build(d_shape, d_tp, r)
+            remotes = {t: build(p_shape, p_tp, t) for t in targets(r, d_tp, p_tp)}
+            docs.append(rank_plan_dict(plan_rank(local, remotes), local, remotes))
+    except (PlanError, GeometryError, msgspec.ValidationError) as exc:
+        fail(str(exc))
+    doc = {"schema": SCHEMA_VERSION, "model": p_shape.identity(),
+           "prefill": {"tp": p_tp, "shape": msgspec.to_builtins(p_shape)},
+           "decode": {"tp": d_tp, "shape": msgspec.to_builtins(d_shape)}, "ranks": docs}
+    typer.echo(json.dumps(doc, indent=2) if as_json else render_table(doc))
+
+
+def _plan_file(path: Path):
+    from .models import ModelShape
+
+    raw = path.read_bytes()
+    data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+    sides = []
+    for side in ("prefill", "decode"):
+        if side not in data:
+            fail(f"{path}: missing [{side}] section")
+        body = dict(data[side])
+        tp = int(body.pop("tp", 1))
+        sides.append((msgspec.convert(body, ModelShape), tp))
+    (p_shape, p_tp), (d_shape, d_tp) = sides
+    return p_shape, d_shape, p_tp, d_tp
+
+
+@bench_app.command("plan")
+def bench_plan(
+    as_json: bool = typer.Option(False, "--json"),
+    blocks: int = typer.Option(64, help="Blocks per request for the index timing."),
+) -> None:
+    """Descriptor arrays and per-request indices for a 70B-class layout vs a list-of-tuples baseline."""
+    from . import bench_plan as bp
+
+    rows = bp.run(blocks_per_request=blocks)
+    typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())
