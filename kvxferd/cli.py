@@ -111,5 +111,111 @@ def bench_plan(
     typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))
 
 
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file."),
+    socket: Optional[str] = typer.Option(None, "--socket", help="Unix socket engines connect to."),
+    socket_mode: Optional[str] = typer.Option(None, "--socket-mode", help="Octal mode of the socket (0600)."),
+    side_channel_host: Optional[str] = typer.Option(None, "--side-channel-host", help="Handshake bind address."),
+    side_channel_port: Optional[int] = typer.Option(None, "--side-channel-port", help="Handshake port (0: any)."),
+    advertise_host: Optional[str] = typer.Option(None, "--advertise-host", help="Address peers dial."),
+    metrics_host: Optional[str] = typer.Option(None, "--metrics-host"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="-1 disables the exporter."),
+    backend: Optional[list[str]] = typer.Option(None, "--backend", help="NIXL backend (repeatable)."),
+    ucx: Optional[list[str]] = typer.Option(None, "--ucx", help="UCX option KEY=VALUE (repeatable)."),
+    handshake_timeout: Optional[float] = typer.Option(None, "--handshake-timeout"),
+    name: Optional[str] = typer.Option(None, "--name", help="NIXL agent name prefix."),
+    log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json."),
+    log_level: Optional[str] = typer.Option(None, "--log-level"),
+) -> None:
+    """Run the daemon (configuration: file < KVXFERD_* environment < flags)."""
+    import asyncio
+
+    from . import logs
+    from .config import ConfigError, load
+    from .daemon import run
+
+    try:
+        cfg = load(str(config) if config else None, socket_path=socket, socket_mode=socket_mode,
+                   side_channel_host=side_channel_host, side_channel_port=side_channel_port,
+                   advertise_host=advertise_host, metrics_host=metrics_host, metrics_port=metrics_port,
+                   backends=backend or None, handshake_timeout_s=handshake_timeout, name=name,
+                   ucx=dict(kv.split("=", 1) for kv in ucx) if ucx else None,
+                   log_format=log_format, log_level=log_level)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    logs.setup(cfg.log_format, cfg.log_level)
+    try:
+        import uvloop
+        uvloop.run(run(cfg))
+    except ImportError:  # pragma: no cover
+        asyncio.run(run(cfg))
+
+
+@app.command()
+def status(
+    socket: str = typer.Option("/run/kvxferd/kvxferd.sock", "--socket", envvar="KVXFERD_SOCKET_PATH"),
+    as_json: bool = typer.Option(False, "--json"),
+    watch: float = typer.Option(0.0, "--watch", help="Refresh every N seconds."),
+) -> None:
+    """Show what a running daemon is doing."""
+    import time
+
+    from .rpc import Client, DaemonError
+    from .status import render
+
+    while True:
+        try:
+            with Client(socket, timeout=5, client="kvxferd status") as c:
+                from . import protocol as P
+                st = c.call(P.StatusQuery()).status
+        except (ConnectionError, DaemonError, OSError) as exc:
+            fail(f"{exc}\n  is the daemon running? start it with `kvxferd serve --socket {socket}`")
+        text = json.dumps(st, indent=2) if as_json else render(st)
+        if watch > 0:
+            typer.echo("\x1b[2J\x1b[H" + text)
+            time.sleep(watch)
+        else:
+            typer.echo(text)
+            return
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("dense", help="Preset: dense, mla, mamba2, gdn, gemma4."),
+    p_tp: int = typer.Option(2, "--p-tp"),
+    d_tp: int = typer.Option(4, "--d-tp"),
+    requests: int = typer.Option(64, "--requests", "-n"),
+    max_tokens: int = typer.Option(200, "--max-tokens"),
+    hit_ratio: float = typer.Option(0.3, "--hit-ratio", help="Share of requests with a partial prefix hit."),
+    num_blocks: int = typer.Option(256, "--num-blocks"),
+    seed: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Two daemons and two synthetic engines on this machine; every byte that arrives is verified."""
+    from .demo import DemoError, run_demo
+    from .models import PRESETS
+
+    if model not in PRESETS:
+        fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")
+    shape = msgspec.structs.replace(PRESETS[model], num_blocks=num_blocks)
+    typer.echo(f"kvxferd demo: {model}, prefill TP {p_tp} -> decode TP {d_tp}, {requests} requests", err=True)
+    try:
+        with typer.progressbar(length=requests, label="transferring", file=sys.stderr) as bar:
+            result = run_demo(shape, p_tp, d_tp, requests, max_tokens, hit_ratio, seed, progress=bar.update)
+    except DemoError as exc:
+        fail(f"demo failed: {exc}")
+    s = result.summary()
+    if as_json:
+        typer.echo(json.dumps(s, indent=2))
+    else:
+        typer.echo(f"{s['received']}/{s['requests']} requests verified byte-exact ({s['prefix_hits']} partial "
+                   f"prefix hits), {s['bytes'] / 1e6:.1f} MB moved, {s['throughput_gb_s']:.2f} GB/s, "
+                   f"latency p50 {s['p50_ms']:.2f} ms p99 {s['p99_ms']:.2f} ms, prefill blocks released: "
+                   f"{s['prefill_released']}")
+    if result.failed or result.received != requests:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover
     sys.exit(app())

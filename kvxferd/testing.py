@@ -130,13 +130,13 @@ def fill_sequence(bufs: list[np.ndarray], geo: Geometry, s: Sequence, upto_block
 
 
 def expect_after_read(before: list[np.ndarray], geo: Geometry, s: Sequence, first_missing: list[int],
-                      chunk_tokens: list[int]) -> list[np.ndarray]:
+                      chunk_tokens: list[int], in_place: bool = False) -> list[np.ndarray]:
     """What a decode rank holds after reading a prompt's missing blocks.
 
     Attention group g: tokens from block `first_missing[g]` up to the prompt length rounded
     up to the group's transfer chunk are written; everything else is as it was.
     """
-    want = [b.copy() for b in before]
+    want = before if in_place else [b.copy() for b in before]
     for gi, group in enumerate(geo.groups):
         blocks = s.blocks[gi]
         if group.kind == ATTENTION:

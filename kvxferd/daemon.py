@@ -1,0 +1,826 @@
+"""The daemon: engines, peers and request state machines on one asyncio loop.
+
+    prefill side (P)                          decode side (D)
+    hold(R, lease) -> held                    read(R) -> handshake (once per peer, shared)
+      notif from each consumer: count++               -> plan (cached per peer and local rank)
+      count == expected -> "sent"                     -> READ per remote rank, notify the rest
+      lease passes      -> "expired"                  -> all DONE -> "received"
+                                                      -> error / deadline -> "failed" + block ids
+
+Every NIXL call happens on this loop's thread. NIXL cannot cancel a transfer, so a read
+past its deadline is reported failed and its handles are *quarantined*: polled until they
+end, with the engine memory they touch kept mapped and registered until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from . import __version__, handshake as hs, protocol as P
+from .config import Config
+from .descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from .geometry import Geometry, GeometryError, validate
+from .memory import Mapping, MappingError, map_cuda, map_shm
+from .metrics import Metrics, serve_http
+from .nixl_driver import DONE, NixlDriver, TransferError
+from .planner import PlanError, RankPlan, consumers, plan_rank
+from .rpc import FrameError, ServerConnection, serve_unix
+from .sdnotify import SystemdNotifier
+
+log = logging.getLogger("kvxferd")
+
+NOTIF_PREFIX = b"KVX1"
+
+
+def encode_notif(engine_id: str, rank: int, request_id: str, expected: int) -> bytes:
+    return msgspec.msgpack.encode([NOTIF_PREFIX, engine_id, rank, request_id, expected])
+
+
+def decode_notif(data: bytes) -> tuple[str, int, str, int] | None:
+    try:
+        prefix, engine_id, rank, request_id, expected = msgspec.msgpack.decode(data)
+        if prefix != NOTIF_PREFIX:
+            return None
+        return str(engine_id), int(rank), str(request_id), int(expected)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+
+
+class RequestError(Exception):
+    """A request the daemon refuses; becomes a protocol Error with this code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class EngineRank:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    geometry: Geometry
+    mappings: list[Mapping]
+    registrations: list
+    region_addr: np.ndarray
+    compat_hash: str
+    conn: ServerConnection | None
+    completions: deque = field(default_factory=deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    pinned: int = 0  # transfers (in flight or quarantined) that may still touch this memory
+    closing: bool = False
+    release_after: float = 0.0  # prefill memory: the latest lease a reader may still be using
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.engine_id, self.tp_rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mappings)
+
+    def complete(self, c: P.Completion) -> None:
+        if not self.closing:
+            self.completions.append(c)
+            self.wakeup.set()
+
+
+@dataclass
+class PeerLink:
+    """Prepared descriptor lists for one local rank reading one peer's rank."""
+
+    local: object
+    remote: object
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    host: str
+    port: int
+    ready: asyncio.Future
+    agent: str = ""
+    ranks: dict[int, hs.RankInfo] = field(default_factory=dict)
+    since: float = 0.0
+    plans: dict[tuple[str, int], RankPlan] = field(default_factory=dict)
+    links: dict[tuple[str, int, int], PeerLink] = field(default_factory=dict)
+    active: int = 0  # transfers using this peer's lists
+    broken: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.engine_id
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass
+class Transfer:
+    engine: EngineRank
+    request_id: str
+    peer: Peer | None
+    local_blocks: list[list[int]]
+    started: float
+    deadline: float
+    handles: list = field(default_factory=list)  # (remote rank, nixl handle)
+    nbytes: int = 0
+    descriptors: int = 0
+    done: bool = False
+
+
+@dataclass
+class Held:
+    engine: EngineRank
+    request_id: str
+    deadline: float
+    since: float
+    block_ids: list[list[int]]
+    count: int = 0
+    expected: int = 0
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.engines: dict[tuple[str, int], EngineRank] = {}
+        self.peers: dict[tuple[str, str, int], Peer] = {}
+        self.retired_peers: list[Peer] = []
+        self.transfers: dict[tuple[str, int, str], Transfer] = {}
+        self.quarantine: list[Transfer] = []
+        self.holds: dict[tuple[str, int, str], Held] = {}
+        self.early_notifs: dict[tuple[str, int, str], tuple[int, int, float]] = {}
+        self.failures: deque = deque(maxlen=64)
+        self.rates: deque = deque(maxlen=4096)  # (finish time, bytes) of recent reads
+        self.counters = {"received": 0, "failed": 0, "sent": 0, "expired": 0, "unknown_notifs": 0}
+        self.started = time.time()
+        self.ready = False
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        for key, value in self.cfg.ucx.items():
+            os.environ[key] = value
+        self.nixl = NixlDriver(self.cfg.name, tuple(self.cfg.backends))
+        self.zmq = zmq.asyncio.Context()
+        self.hs_server = hs.HandshakeServer(self.zmq, self.cfg.side_channel_host, self.cfg.side_channel_port,
+                                            self._answer_handshake)
+        self.cfg = msgspec.structs.replace(self.cfg, side_channel_port=self.hs_server.port)
+        group = None
+        if self.cfg.socket_group:
+            import grp
+            group = grp.getgrnam(self.cfg.socket_group).gr_gid
+        self.unix_sock, accept = await serve_unix(self.cfg.socket_path, self._serve_connection,
+                                                  self.cfg.socket_mode, self.cfg.max_frame_bytes, group)
+        self._tasks += [accept, asyncio.create_task(self.hs_server.run()), asyncio.create_task(self._poll_loop()),
+                        asyncio.create_task(self._housekeeping())]
+        self.http = None
+        if self.cfg.metrics_port >= 0:
+            self.http = await serve_http(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port,
+                                         lambda: self.ready)
+            self.metrics_port = self.http.sockets[0].getsockname()[1]
+        self.notifier = SystemdNotifier()
+        self.ready = True
+        self.notifier.ready(f"serving {self.cfg.socket_path}, side channel {self.cfg.side_channel}")
+        if self.notifier.watchdog_s:
+            self._tasks.append(asyncio.create_task(self._watchdog()))
+        log.info("kvxferd %s ready: socket %s, side channel %s, agent %s", __version__, self.cfg.socket_path,
+                 self.cfg.side_channel, self.nixl.name)
+
+    async def stop(self) -> None:
+        self.ready = False
+        self.notifier.stopping()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.http:
+            self.http.close()
+        self.unix_sock.close()
+        try:
+            os.unlink(self.cfg.socket_path)
+        except OSError:
+            pass
+        self.hs_server.close()
+        self.zmq.term()
+
+    async def _watchdog(self) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_s / 2)
+
+    # --- engine connections ---------------------------------------------------
+    def _allowed(self, conn: ServerConnection) -> bool:
+        uid = conn.credentials[1]
+        allowed = set(self.cfg.allowed_uids) or {os.getuid(), 0}
+        return uid in allowed
+
+    async def _serve_connection(self, conn: ServerConnection) -> None:
+        if not self._allowed(conn):
+            self.metrics.rejected.labels("uid").inc()
+            log.warning("refused engine connection from uid %d (pid %d): not in allowed_uids",
+                        conn.credentials[1], conn.credentials[0])
+            await self._reply(conn, P.Error("forbidden", f"uid {conn.credentials[1]} may not use this daemon"))
+            conn.close()
+            return
+        owned: set[tuple[str, int]] = set()
+        try:
+            while True:
+                item = await conn.frames.get()
+                if item is None:
+                    break
+                if isinstance(item, FrameError):
+                    self.metrics.rpc.labels("frame", "error").inc()
+                    await self._reply(conn, P.Error("bad_request", str(item)))
+                    break
+                await self._dispatch(conn, item, owned)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for key in owned:
+                er = self.engines.get(key)
+                if er is not None and er.conn is conn:
+                    self._unregister(er, "engine disconnected")
+            conn.close()
+
+    async def _reply(self, conn: ServerConnection, msg: P.Msg) -> None:
+        try:
+            await conn.send(P.encoder.encode(msg))
+        except OSError:
+            pass
+
+    async def _dispatch(self, conn: ServerConnection, data: bytes, owned: set) -> None:
+        t0 = time.perf_counter()
+        method = "unknown"
+        try:
+            msg = P.request_decoder.decode(data)
+            method = type(msg).__name__.lower()
+            reply = await self._handle(conn, msg, owned)
+            outcome = "ok"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reply, outcome = P.Error("bad_request", f"malformed request: {exc}"), "error"
+        except RequestError as exc:
+            reply, outcome = P.Error(exc.code, str(exc)), "error"
+        except FrameError as exc:
+            reply, outcome = P.Error("bad_request", str(exc)), "error"
+        except Exception as exc:  # a bug must not take the daemon down
+            log.exception("internal error handling %s", method)
+            reply, outcome = P.Error("internal", f"{type(exc).__name__}: {exc}"), "error"
+        self.metrics.rpc.labels(method, outcome).inc()
+        self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
+        await self._reply(conn, reply)
+
+    async def _handle(self, conn: ServerConnection, msg: P.Msg, owned: set) -> P.Msg:
+        if isinstance(msg, P.Hello):
+            if msg.version != P.PROTOCOL_VERSION:
+                raise RequestError("version", f"protocol version {msg.version} unsupported; "
+                                              f"this daemon speaks {P.PROTOCOL_VERSION}")
+            return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
+        if isinstance(msg, P.Register):
+            return self._register(conn, msg, owned)
+        if isinstance(msg, P.Unregister):
+            self._unregister(self._engine(msg.engine_id, msg.tp_rank), "unregistered")
+            owned.discard((msg.engine_id, msg.tp_rank))
+            return P.Ok()
+        if isinstance(msg, P.Hold):
+            return self._hold(msg)
+        if isinstance(msg, P.Read):
+            return self._read(msg)
+        if isinstance(msg, P.Poll):
+            return await self._poll(msg)
+        if isinstance(msg, P.StatusQuery):
+            return P.StatusReply(self.status())
+        raise RequestError("bad_request", f"unexpected message {type(msg).__name__}")
+
+    def _engine(self, engine_id: str, rank: int) -> EngineRank:
+        er = self.engines.get((engine_id, rank))
+        if er is None or er.closing:
+            raise RequestError("unknown_engine", f"engine {engine_id!r} rank {rank} is not registered")
+        return er
+
+    # --- registration ---------------------------------------------------------
+    def _register(self, conn: ServerConnection, msg: P.Register, owned: set) -> P.Msg:
+        n_fds = sum(1 for m in msg.memory if m.kind == "shm")
+        fds = conn.reader.take_fds(n_fds)
+        try:
+            if (msg.engine_id, msg.tp_rank) in self.engines:
+                raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
+            try:
+                geo = validate(msg.geometry)
+            except GeometryError as exc:
+                raise RequestError("bad_request", f"invalid geometry: {exc}") from None
+            if (geo.tp_rank, geo.tp_size) != (msg.tp_rank, msg.tp_size):
+                raise RequestError("bad_request", f"geometry is for rank {geo.tp_rank}/{geo.tp_size}, "
+                                                  f"registration for {msg.tp_rank}/{msg.tp_size}")
+            if len(msg.memory) != len(geo.buffers):
+                raise RequestError("bad_request", f"{len(msg.memory)} memory handles for {len(geo.buffers)} buffers")
+            for i, (m, size) in enumerate(zip(msg.memory, geo.buffers)):
+                if m.nbytes < size:
+                    raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
+            mappings = []
+            try:
+                fd_iter = iter(fds)
+                for m in msg.memory:
+                    mappings.append(map_shm(next(fd_iter), m.nbytes) if m.kind == "shm"
+                                    else map_cuda(m.cuda_handle, m.nbytes))
+                fds = []
+            except MappingError as exc:
+                for mp in mappings:
+                    mp.close()
+                raise RequestError("bad_request", str(exc)) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        regs = [self.nixl.register(mp.address, mp.nbytes, mp.kind, mp.device) for mp in mappings]
+        er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
+                        region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn)
+        self.engines[er.key] = er
+        owned.add(er.key)
+        self._update_engine_gauges()
+        log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
+                 geo.model, er.nbytes)
+        return P.Registered(self.cfg.side_channel, self.nixl.name)
+
+    def _unregister(self, er: EngineRank, why: str) -> None:
+        """Stop serving an engine rank; its memory is released once nothing can touch it."""
+        if er.closing:
+            return
+        er.closing = True
+        for key, t in list(self.transfers.items()):
+            if t.engine is er:
+                self._log_failure(t, f"{why} during the transfer")
+        for key, h in list(self.holds.items()):
+            if h.engine is er:
+                # Readers may still be pulling these blocks: keep the memory until the lease ends.
+                er.release_after = max(er.release_after, h.deadline)
+                del self.holds[key]
+                self.metrics.holds_finished.labels("dropped").inc()
+        log.info("engine %s rank %d: %s; memory released when idle", er.engine_id, er.tp_rank, why)
+        self._release_if_idle(er)
+
+    def _release_if_idle(self, er: EngineRank) -> None:
+        if not er.closing or er.pinned or time.monotonic() < er.release_after:
+            return
+        if self.engines.get(er.key) is er:
+            del self.engines[er.key]
+        for link_owner in list(self.peers.values()) + self.retired_peers:
+            for k in [k for k in link_owner.links if k[:2] == er.key]:
+                link = link_owner.links.pop(k)
+                self.nixl.release_dlist(link.local)
+                self.nixl.release_dlist(link.remote)
+            link_owner.plans.pop(er.key, None)
+        for reg in er.registrations:
+            self.nixl.deregister(reg)
+        for mp in er.mappings:
+            mp.close()
+        er.registrations, er.mappings = [], []
+        self._update_engine_gauges()
+
+    def _update_engine_gauges(self) -> None:
+        live = [e for e in self.engines.values() if not e.closing]
+        self.metrics.ranks.set(len(live))
+        self.metrics.engines.set(len({e.engine_id for e in live}))
+        self.metrics.registered_bytes.set(sum(e.nbytes for e in self.engines.values()))
+
+    # --- prefill side: holds and notifications ---------------------------------
+    def _hold(self, msg: P.Hold) -> P.Msg:
+        er = self._engine(msg.engine_id, msg.tp_rank)
+        if not 0 < msg.lease_s <= self.cfg.max_lease_s:
+            raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self.cfg.max_lease_s}]")
+        key = (msg.engine_id, msg.tp_rank, msg.request_id)
+        now = time.monotonic()
+        held = self.holds.get(key)
+        if held is None:
+            held = self.holds[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids)
+            early = self.early_notifs.pop(key, None)
+            if early:
+                held.count, held.expected = early[0], early[1]
+        else:
+            held.deadline = now + msg.lease_s  # renewal
+        self._check_hold(key, held)
+        self.metrics.held.set(len(self.holds))
+        return P.Ok()
+
+    def _check_hold(self, key, held: Held) -> None:
+        if held.expected and held.count >= held.expected:
+            del self.holds[key]
+            self.counters["sent"] += 1
+            self.metrics.holds_finished.labels("sent").inc()
+            held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids,
+                                              seconds=time.monotonic() - held.since))
+
+    def _on_notification(self, data: bytes) -> None:
+        parsed = decode_notif(data)
+        if parsed is None:
+            self.counters["unknown_notifs"] += 1
+            self.metrics.notifs_received.labels("malformed").inc()
+            return
+        engine_id, rank, request_id, expected = parsed
+        key = (engine_id, rank, request_id)
+        held = self.holds.get(key)
+        if held is None:
+            if (engine_id, rank) not in self.engines:
+                self.counters["unknown_notifs"] += 1
+                self.metrics.notifs_received.labels("unknown").inc()
+                log.warning("notification for unknown engine %s rank %d request %s dropped",
+                            engine_id, rank, request_id)
+                return
+            # The consumer may finish before the engine's hold arrives: keep the count for a lease.
+            count, _, first = self.early_notifs.get(key, (0, expected, time.monotonic()))
+            self.early_notifs[key] = (count + 1, expected, first)
+            self.metrics.notifs_received.labels("early").inc()
+            return
+        self.metrics.notifs_received.labels("consumer").inc()
+        held.count += 1
+        held.expected = expected
+        self._check_hold(key, held)
+        self.metrics.held.set(len(self.holds))
+
+    def _expire(self, now: float) -> None:
+        for key, held in list(self.holds.items()):
+            if now >= held.deadline:
+                del self.holds[key]
+                self.counters["expired"] += 1
+                self.metrics.holds_finished.labels("expired").inc()
+                log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d",
+                            held.engine.engine_id, held.engine.tp_rank, held.request_id, held.count,
+                            held.expected)
+                held.engine.complete(P.Completion(held.request_id, "expired", held.block_ids,
+                                                  reason=f"lease passed with {held.count} of "
+                                                         f"{held.expected or '?'} consumers",
+                                                  seconds=now - held.since))
+        for key, (count, expected, first) in list(self.early_notifs.items()):
+            if now - first > self.cfg.max_lease_s:
+                del self.early_notifs[key]
+                self.counters["unknown_notifs"] += count
+        self.metrics.held.set(len(self.holds))
+        self.metrics.held_oldest.set(max((now - h.since for h in self.holds.values()), default=0))
+
+    # --- handshake server -----------------------------------------------------
+    def _answer_handshake(self, req: hs.HandshakeRequest) -> hs.HandshakeReply:
+        if req.version != hs.HANDSHAKE_VERSION:
+            self.metrics.handshakes_served.labels("version").inc()
+            return hs.HandshakeReply(False, f"handshake version {req.version} unsupported "
+                                            f"(this daemon speaks {hs.HANDSHAKE_VERSION})")
+        ranks = [e for e in self.engines.values() if e.engine_id == req.engine_id and not e.closing]
+        if not ranks:
+            self.metrics.handshakes_served.labels("unknown_engine").inc()
+            return hs.HandshakeReply(False, f"engine {req.engine_id!r} is not registered with this daemon")
+        infos = [hs.RankInfo(e.tp_rank, e.tp_size, e.compat_hash, e.geometry, [m.address for m in e.mappings],
+                             e.mappings[0].kind, e.mappings[0].device) for e in sorted(ranks, key=lambda e: e.tp_rank)]
+        self.metrics.handshakes_served.labels("ok").inc()
+        return hs.HandshakeReply(True, agent=self.nixl.name, metadata=self.nixl.metadata(), ranks=infos)
+
+    # --- decode side: reads ---------------------------------------------------
+    def _read(self, msg: P.Read) -> P.Msg:
+        er = self._engine(msg.engine_id, msg.tp_rank)
+        key = (msg.engine_id, msg.tp_rank, msg.request_id)
+        if key in self.transfers:
+            raise RequestError("bad_request", f"request {msg.request_id!r} is already being read")
+        if not 0 < msg.deadline_s <= self.cfg.max_deadline_s:
+            raise RequestError("bad_request", f"deadline_s {msg.deadline_s} outside (0, {self.cfg.max_deadline_s}]")
+        if len(msg.local_blocks) != len(er.geometry.groups) or len(msg.remote_blocks) != len(er.geometry.groups):
+            raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
+                                              f"groups; the geometry has {len(er.geometry.groups)}")
+        now = time.monotonic()
+        t = Transfer(er, msg.request_id, None, msg.local_blocks, now, now + msg.deadline_s)
+        self.transfers[key] = t
+        er.pinned += 1
+        self.metrics.inflight.set(len(self.transfers))
+        asyncio.get_running_loop().create_task(self._start_read(t, msg))
+        return P.Ok()
+
+    async def _start_read(self, t: Transfer, msg: P.Read) -> None:
+        try:
+            peer = await self._peer(msg.remote, t.deadline)
+            self._post(t, peer, msg)
+        except hs.HandshakeError as exc:
+            self._finish(t, "failed", f"handshake: {exc}")
+        except (PlanError, GeometryError) as exc:
+            self._finish(t, "failed", f"plan: {exc}")
+        except TransferError as exc:
+            if t.peer is not None:
+                self._retire_peer(t.peer, str(exc))
+            self._finish(t, "failed", f"transfer: {exc}")
+        except asyncio.TimeoutError:
+            self._finish(t, "failed", "deadline passed while waiting for the handshake")
+        except Exception as exc:
+            log.exception("read %s failed unexpectedly", t.request_id)
+            self._finish(t, "failed", f"internal: {type(exc).__name__}: {exc}")
+
+    async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
+        """The peer's handshake, done once and shared by every request waiting on it."""
+        key = (ref.engine_id, ref.host, ref.port)
+        peer = self.peers.get(key)
+        if peer is None:
+            peer = self.peers[key] = Peer(ref.engine_id, ref.host, ref.port,
+                                          asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().create_task(self._handshake(peer, ref))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise asyncio.TimeoutError()
+        await asyncio.wait_for(asyncio.shield(peer.ready), remaining)
+        if peer.ranks and next(iter(peer.ranks.values())).tp_size != ref.tp_size:
+            raise PlanError(f"remote engine {ref.engine_id} runs TP {next(iter(peer.ranks.values())).tp_size}, "
+                            f"the request says {ref.tp_size}")
+        return peer
+
+    async def _handshake(self, peer: Peer, ref: P.RemoteRef) -> None:
+        t0 = time.perf_counter()
+        try:
+            reply = await hs.request(self.zmq, ref.host, ref.port, ref.engine_id, self.cfg.handshake_timeout_s,
+                                     self.nixl.name)
+            ranks = {r.tp_rank: r for r in reply.ranks}
+            for r in ranks.values():
+                validate(r.geometry)
+            peer.agent = self.nixl.add_peer(reply.metadata)
+            peer.ranks, peer.since = ranks, time.time()
+            self.metrics.handshakes.labels(peer.label, "ok").inc()
+            self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
+            self.metrics.peers.set(len(self.peers))
+            peer.ready.set_result(None)
+        except Exception as exc:
+            err = exc if isinstance(exc, hs.HandshakeError) else hs.HandshakeError("invalid", str(exc))
+            self.metrics.handshakes.labels(peer.label, "failed").inc()
+            self.metrics.handshake_failures.labels(err.reason).inc()
+            log.warning("handshake failed: peer=%s address=%s reason=%s: %s", peer.label, peer.address,
+                        err.reason, err)
+            if self.peers.get((peer.engine_id, peer.host, peer.port)) is peer:
+                del self.peers[(peer.engine_id, peer.host, peer.port)]
+            peer.ready.set_exception(err)
+            peer.ready.exception()  # mark retrieved: waiters each get it via shield
+
+    def _plan(self, peer: Peer, er: EngineRank) -> RankPlan:
+        plan = peer.plans.get(er.key)
+        if plan is None:
+            from .planner import targets
+            wanted = targets(er.tp_rank, er.tp_size, next(iter(peer.ranks.values())).tp_size)
+            missing = [r for r in wanted if r not in peer.ranks]
+            if missing:
+                raise PlanError(f"remote engine {peer.engine_id} has no registered ranks {missing}")
+            for r in wanted:
+                if peer.ranks[r].compat_hash != er.compat_hash:
+                    raise PlanError(hs.explain_mismatch(er.geometry, peer.ranks[r].geometry))
+            plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})
+            peer.plans[er.key] = plan
+        return plan
+
+    def _link(self, peer: Peer, er: EngineRank, plan: RankPlan, rank: int) -> PeerLink:
+        key = (*er.key, rank)
+        link = peer.links.get(key)
+        if link is None:
+            info, pp = peer.ranks[rank], plan.peers[rank]
+            raddr = region_addresses(info.geometry, info.buffer_addrs)
+            kind, dev = er.mappings[0].kind, er.mappings[0].device
+            link = PeerLink(self.nixl.prep_local(local_descs(pp, er.region_addr, dev), kind),
+                            self.nixl.prep_remote(peer.agent, remote_descs(pp, raddr, info.device), info.mem_type))
+            peer.links[key] = link
+        return link
+
+    def _post(self, t: Transfer, peer: Peer, msg: P.Read) -> None:
+        if t.done:
+            return
+        er = t.engine
+        if er.closing:
+            raise TransferError("engine unregistered before the read was posted")
+        t.peer = peer
+        peer.active += 1
+        plan = self._plan(peer, er)
+        req = RequestBlocks.of(msg.num_tokens, msg.local_blocks, msg.remote_blocks)
+        reads = request_indices(plan, req)
+        expected = consumers(er.tp_size, plan.remote_tp)
+        for rank, (lids, rids) in reads.items():
+            link = self._link(peer, er, plan, rank)
+            notif = encode_notif(peer.engine_id, rank, msg.remote.request_id, expected)
+            t.handles.append((rank, self.nixl.read(link.local, lids, link.remote, rids, notif)))
+            pp = plan.peers[rank]
+            t.nbytes += int(_bytes_of(pp, plan, lids))
+            t.descriptors += len(lids)
+        for rank in plan.targets:
+            if rank not in reads:
+                self.nixl.notify(peer.agent, encode_notif(peer.engine_id, rank, msg.remote.request_id, expected))
+            self.metrics.notifs_sent.inc()
+        self.metrics.descriptors.labels(peer.label).observe(t.descriptors)
+        if not t.handles:
+            self._finish(t, "received")
+        else:
+            self._wake.set()
+
+    def _finish(self, t: Transfer, status: str, reason: str = "") -> None:
+        """End a read for the engine. Handles still running go to quarantine."""
+        if t.done:
+            return
+        t.done = True
+        er, now = t.engine, time.monotonic()
+        self.transfers.pop((er.engine_id, er.tp_rank, t.request_id), None)
+        self.metrics.inflight.set(len(self.transfers))
+        peer_label = t.peer.label if t.peer else "unknown"
+        seconds = now - t.started
+        self.counters[status] += 1
+        self.metrics.transfers.labels(peer_label, status).inc()
+        self.metrics.transfer_seconds.labels(peer_label, status).observe(seconds)
+        blocks = t.local_blocks if status == "failed" else []
+        if status == "received":
+            self.metrics.transfer_bytes.labels(peer_label).inc(t.nbytes)
+            self.rates.append((time.time(), t.nbytes))
+        else:
+            self._log_failure(t, reason)
+        er.complete(P.Completion(t.request_id, status, blocks, reason, t.nbytes if status == "received" else 0,
+                                 seconds))
+        if t.handles:
+            self.quarantine.append(t)
+            self.metrics.quarantined.set(len(self.quarantine))
+        else:
+            self._unpin(t)
+
+    def _unpin(self, t: Transfer) -> None:
+        t.engine.pinned -= 1
+        if t.peer is not None:
+            t.peer.active -= 1
+            self._cleanup_retired()
+        self._release_if_idle(t.engine)
+
+    def _log_failure(self, t: Transfer, reason: str) -> None:
+        peer = t.peer.label if t.peer else "unknown"
+        entry = {"time": time.time(), "engine": t.engine.engine_id, "rank": t.engine.tp_rank,
+                 "request": t.request_id, "peer": peer, "reason": reason}
+        self.failures.append(entry)
+        log.warning("transfer failed: engine=%s rank=%d request=%s peer=%s reason=%s", entry["engine"],
+                    entry["rank"], entry["request"], peer, reason, extra={"fields": entry})
+
+    def _retire_peer(self, peer: Peer, why: str) -> None:
+        """Forget a peer: the next request handshakes again (a new agent name, never stale metadata)."""
+        if peer.broken:
+            return
+        peer.broken = True
+        key = (peer.engine_id, peer.host, peer.port)
+        if self.peers.get(key) is peer:
+            del self.peers[key]
+        self.retired_peers.append(peer)
+        self.metrics.peers.set(len(self.peers))
+        log.warning("peer %s at %s retired: %s", peer.label, peer.address, why)
+        self._cleanup_retired()
+
+    def _cleanup_retired(self) -> None:
+        for peer in [p for p in self.retired_peers if p.active <= 0]:
+            self.retired_peers.remove(peer)
+            for link in peer.links.values():
+                self.nixl.release_dlist(link.local)
+                self.nixl.release_dlist(link.remote)
+            peer.links.clear()
+            if peer.agent:
+                try:
+                    self.nixl.remove_peer(peer.agent)
+                except Exception as exc:
+                    log.warning("removing agent %s: %s", peer.agent, exc)
+
+    # --- polling --------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        """Transfer states, notifications, quarantine: all on this loop, every poll interval."""
+        while True:
+            busy = bool(self.transfers) or bool(self.quarantine)
+            self._drain_notifications()
+            now = time.monotonic()
+            for t in list(self.transfers.values()):
+                if t.handles and not t.done:
+                    self._check_transfer(t, now)
+            for t in list(self.quarantine):
+                self._check_quarantined(t)
+            if busy:
+                await asyncio.sleep(self.cfg.poll_interval_s)
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.005)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _drain_notifications(self) -> None:
+        try:
+            notifs = self.nixl.notifications()
+        except Exception as exc:
+            log.warning("reading notifications failed: %s", exc)
+            return
+        for messages in notifs.values():
+            for m in messages:
+                self._on_notification(m)
+
+    def _check_transfer(self, t: Transfer, now: float) -> None:
+        try:
+            states = [self.nixl.state(h) for _, h in t.handles]
+        except TransferError as exc:
+            self._release_terminal(t)
+            self._retire_peer(t.peer, str(exc))
+            self._finish(t, "failed", f"transfer: {exc}")
+            return
+        if all(s == DONE for s in states):
+            for _, h in t.handles:
+                tele = self.nixl.telemetry_of(h)
+                if tele:
+                    self.metrics.nixl_post.observe(tele[0])
+                    self.metrics.nixl_xfer.observe(tele[1])
+            self._release_terminal(t)
+            self._finish(t, "received")
+        elif now >= t.deadline:
+            self._finish(t, "failed", f"deadline of {t.deadline - t.started:.3g} s passed; memory quarantined")
+
+    def _release_terminal(self, t: Transfer) -> None:
+        """Release handles NIXL reports finished (done or failed); keep the ones still running."""
+        keep = []
+        for rank, h in t.handles:
+            try:
+                state = self.nixl.state(h)
+            except TransferError:
+                state = "ERR"
+            if state == DONE or state == "ERR":
+                self.nixl.release(h)
+            else:
+                keep.append((rank, h))
+        t.handles = keep
+
+    def _check_quarantined(self, t: Transfer) -> None:
+        self._release_terminal(t)
+        if not t.handles:
+            self.quarantine.remove(t)
+            self.metrics.quarantined.set(len(self.quarantine))
+            self._unpin(t)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            self._expire(now)
+            for er in [e for e in self.engines.values() if e.closing]:
+                self._release_if_idle(er)
+
+    # --- completions and status -----------------------------------------------
+    async def _poll(self, msg: P.Poll) -> P.Msg:
+        er = self._engine(msg.engine_id, msg.tp_rank)
+        if not er.completions and msg.wait_s > 0:
+            er.wakeup.clear()
+            try:
+                await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
+            except asyncio.TimeoutError:
+                pass
+        items = []
+        while er.completions and len(items) < max(1, msg.max_items):
+            items.append(er.completions.popleft())
+        return P.Completions(items)
+
+    def status(self) -> dict:
+        now, wall = time.monotonic(), time.time()
+        recent = [(ts, b) for ts, b in self.rates if wall - ts <= 10]
+        return {
+            "version": __version__, "agent": self.nixl.name, "uptime_s": wall - self.started,
+            "socket": self.cfg.socket_path, "side_channel": self.cfg.side_channel,
+            "engines": [{"engine": e.engine_id, "rank": e.tp_rank, "tp_size": e.tp_size, "model": e.geometry.model,
+                         "bytes": e.nbytes, "memory": e.mappings[0].kind if e.mappings else "-",
+                         "state": "closing" if e.closing else "serving", "pinned": e.pinned,
+                         "pending_completions": len(e.completions)} for e in self.engines.values()],
+            "peers": [{"engine": p.engine_id, "address": p.address, "agent": p.agent,
+                       "handshake_age_s": wall - p.since if p.since else None, "plans": len(p.plans),
+                       "ranks": sorted(p.ranks), "active": p.active} for p in self.peers.values()],
+            "in_flight": [{"engine": t.engine.engine_id, "rank": t.engine.tp_rank, "request": t.request_id,
+                           "peer": t.peer.label if t.peer else None, "age_s": now - t.started}
+                          for t in self.transfers.values()],
+            "quarantined": len(self.quarantine),
+            "held": [{"engine": h.engine.engine_id, "rank": h.engine.tp_rank, "request": h.request_id,
+                      "consumers": f"{h.count}/{h.expected or '?'}", "age_s": now - h.since,
+                      "expires_in_s": h.deadline - now} for h in self.holds.values()],
+            "recent": {"window_s": 10, "reads": len(recent), "bytes": sum(b for _, b in recent),
+                       "bytes_per_s": sum(b for _, b in recent) / 10},
+            "counters": dict(self.counters),
+            "failures": list(self.failures)[-16:],
+        }
+
+
+def _bytes_of(pp, plan: RankPlan, lids: np.ndarray) -> int:
+    """Bytes a set of local descriptor ids covers (lengths are per template)."""
+    template = np.searchsorted(pp.local_base, lids, side="right") - 1
+    return int(pp.length[template].sum())
+
+
+async def run(cfg: Config, stop: asyncio.Event | None = None) -> None:
+    daemon = Daemon(cfg)
+    await daemon.start()
+    stop = stop or asyncio.Event()
+    import signal
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await daemon.stop()

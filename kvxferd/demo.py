@@ -1,0 +1,196 @@
+"""`kvxferd demo`: two daemons and two synthetic engines on this machine, every byte verified.
+
+    driver --pipe--> prefill engine (TP ranks) --unix socket--> daemon P
+           --pipe--> decode engine  (TP ranks) --unix socket--> daemon D --ZMQ/NIXL--> daemon P
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from .client import RemoteRef
+from .models import ModelShape
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def _engine_main(conn, socket_path: str, engine_id: str, shape: bytes, tp: int) -> None:
+    from .engine import SyntheticEngine
+
+    try:
+        eng = SyntheticEngine(socket_path, engine_id, msgspec.msgpack.decode(shape, type=ModelShape), tp)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", eng.side_channel))
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "decode":
+                args = (*args[:6], msgspec.msgpack.decode(args[6], type=ModelShape))
+            result = getattr(eng, cmd)(*args)
+            if cmd == "verify_all":
+                result = [str(m) for m in result]
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        if cmd == "close":
+            return
+
+
+class EngineProcess:
+    """A synthetic engine in its own process, driven over a pipe."""
+
+    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, args=(child, socket_path, engine_id,
+                                                           msgspec.msgpack.encode(shape), tp), daemon=True)
+        self.proc.start()
+        self.engine_id = engine_id
+        self.side_channel = self._result(120)
+
+    def _result(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise DemoError(f"engine {self.engine_id} did not answer within {timeout:g} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise DemoError(f"engine {self.engine_id}: {value}")
+        return value
+
+    def call(self, cmd: str, *args, timeout: float = 120):
+        self.conn.send((cmd, args))
+        return self._result(timeout)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close", timeout=10)
+            except (DemoError, OSError, EOFError):
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class DaemonProcess:
+    """`kvxferd serve` in its own process."""
+
+    def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: list[str] = ()) -> None:
+        self.socket = str(workdir / f"{name}.sock")
+        self.log = open(workdir / f"{name}.log", "w")
+        cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket, "--side-channel-port", "0",
+               "--metrics-port", str(metrics_port), "--name", name, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.name = name
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        from .rpc import Client
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DemoError(f"daemon {self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                Client(self.socket, 5).close()
+                return
+            except (ConnectionError, OSError):
+                time.sleep(0.05)
+        raise DemoError(f"daemon {self.name} not ready within {timeout:g} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class DemoResult:
+    requests: int
+    received: int
+    failed: int
+    bytes: int
+    seconds: float
+    latencies: list[float]
+    prefix_hits: int
+    released: dict
+
+    def summary(self) -> dict:
+        lat = np.array(self.latencies or [0.0]) * 1000
+        return {"requests": self.requests, "received": self.received, "failed": self.failed,
+                "prefix_hits": self.prefix_hits, "bytes": self.bytes, "seconds": round(self.seconds, 3),
+                "throughput_gb_s": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
+                "p50_ms": round(float(np.percentile(lat, 50)), 3), "p99_ms": round(float(np.percentile(lat, 99)), 3),
+                "prefill_released": self.released}
+
+
+def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens: int, hit_ratio: float,
+             seed: int, workdir: str | None = None, progress=None, p_shape: ModelShape | None = None,
+             lease_s: float = 30.0, deadline_s: float = 30.0) -> DemoResult:
+    """Start everything, run `requests` prompts P -> D, verify every byte; raise DemoError on mismatch."""
+    p_shape = p_shape or shape
+    tmp = tempfile.TemporaryDirectory(prefix="kvxferd-demo-") if workdir is None else None
+    work = Path(workdir or tmp.name)
+    work.mkdir(parents=True, exist_ok=True)
+    daemons, engines = [], []
+    try:
+        daemons = [DaemonProcess(work, "prefill-daemon"), DaemonProcess(work, "decode-daemon")]
+        prefill = EngineProcess(daemons[0].socket, "prefill", p_shape, p_tp)
+        engines.append(prefill)
+        decode = EngineProcess(daemons[1].socket, "decode", shape, d_tp)
+        engines.append(decode)
+        host, port = prefill.side_channel.rsplit(":", 1)
+        rng = np.random.default_rng(seed)
+        p_shape_bytes = msgspec.msgpack.encode(p_shape)
+        result = DemoResult(requests, 0, 0, 0, 0.0, [], 0, {})
+        step = shape.block_size
+        for i in range(requests):
+            num_tokens = int(rng.integers(1, max_tokens + 1))
+            hit = 0
+            if shape.kind not in ("mamba2", "gdn") and rng.random() < hit_ratio and num_tokens > step:
+                hit = int(rng.integers(1, num_tokens // step + 1)) * step
+                result.prefix_hits += 1
+            blocks = prefill.call("prefill", i, num_tokens, lease_s)
+            remote = RemoteRef("prefill", host, int(port), p_tp, f"req-{i}")
+            out = decode.call("decode", i, num_tokens, remote, blocks, hit, deadline_s, p_shape_bytes,
+                              timeout=deadline_s + 60)
+            if out["status"] == "received":
+                result.received += 1
+                result.bytes += out["bytes"]
+                result.seconds += out["latency_s"]
+                result.latencies.append(out["latency_s"])
+            else:
+                result.failed += 1
+            for status in prefill.call("wait_released", i, lease_s + 5, timeout=lease_s + 60):
+                result.released[status] = result.released.get(status, 0) + 1
+            prefill.call("free", blocks)
+            if progress:
+                progress(1)
+        stray = decode.call("verify_all")
+        if stray:
+            raise DemoError(f"bytes outside any request changed on the decode engine: {stray}")
+        return result
+    finally:
+        for e in engines:
+            e.close()
+        for d in daemons:
+            d.stop()
+        if tmp is not None:
+            tmp.cleanup()
+

@@ -1,0 +1,176 @@
+"""A synthetic inference engine: all TP ranks of one engine, KV caches in shared memory.
+
+It allocates each rank's buffers as memfds, registers them with its daemon, and then
+"prefills" prompts (writes the logical bytes, asks the daemon to hold them) or "decodes"
+(asks the daemon to read a prompt from a prefill engine and verifies every byte that
+arrived against a shadow copy of what the rank should hold).
+"""
+
+from __future__ import annotations
+
+import time
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import testing
+from .client import EngineClient, RemoteRef
+from .geometry import ATTENTION, Geometry
+from .memory import create_shm
+from .models import ModelShape, build
+
+
+class VerificationError(AssertionError):
+    pass
+
+
+@dataclass
+class Rank:
+    geometry: Geometry
+    client: EngineClient
+    mem: list  # mmaps
+    view: list[np.ndarray]  # numpy views of the shared memory
+    shadow: list[np.ndarray]  # what the memory should hold
+    pending: dict = field(default_factory=dict)  # completions polled but not yet waited for
+
+
+class SyntheticEngine:
+    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp_size: int) -> None:
+        self.engine_id, self.shape, self.tp_size = engine_id, shape, tp_size
+        self.ranks: list[Rank] = []
+        for r in range(tp_size):
+            geo = build(shape, tp_size, r)
+            fds, mems, views = [], [], []
+            for size in geo.buffers:
+                fd, mm = create_shm(size, f"{engine_id}-{r}")
+                fds.append(fd)
+                mems.append(mm)
+                view = np.frombuffer(mm, dtype=np.uint8)
+                view[:] = testing.POISON
+                views.append(view)
+            client = EngineClient(socket_path, engine_id, r, tp_size)
+            self.side_channel = client.register(geo, shm_fds=fds)
+            for fd in fds:
+                os.close(fd)
+            self.ranks.append(Rank(geo, client, mems, views, [v.copy() for v in views]))
+        geo0 = self.ranks[0].geometry
+        self.pool = list(range(min(g.num_blocks for g in geo0.groups)))
+        self.pool.reverse()
+
+    # --- blocks ---------------------------------------------------------------
+    def allocate(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
+        need = testing.blocks_needed(self.ranks[0].geometry, num_tokens)
+        if sum(need) > len(self.pool):
+            raise RuntimeError(f"{self.engine_id}: out of KV blocks ({sum(need)} needed, {len(self.pool)} free)")
+        return tuple(tuple(self.pool.pop() for _ in range(n)) for n in need)
+
+    def free(self, blocks) -> None:
+        for group in blocks:
+            self.pool.extend(group)
+
+    # --- prefill --------------------------------------------------------------
+    def prefill(self, seq: int, num_tokens: int, lease_s: float) -> tuple[tuple[int, ...], ...]:
+        blocks = self.allocate(num_tokens)
+        s = testing.Sequence(seq, num_tokens, blocks)
+        for rank in self.ranks:
+            testing.fill_sequence(rank.view, rank.geometry, s)
+        for rank in self.ranks:
+            rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks])
+        return blocks
+
+    def wait_released(self, seq: int, timeout_s: float) -> list[str]:
+        """Wait for every rank's 'sent' or 'expired' of a prompt; return the statuses."""
+        return [self._wait(rank, f"req-{seq}", timeout_s).status for rank in self.ranks]
+
+    # --- decode ---------------------------------------------------------------
+    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
+               deadline_s: float, remote_shape: ModelShape) -> dict:
+        """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
+        blocks = self.allocate(num_tokens)
+        s = testing.Sequence(seq, num_tokens, blocks)
+        geo0 = self.ranks[0].geometry
+        hit = [min(hit_tokens // g.tokens_per_block, len(blocks[i])) if g.kind == ATTENTION else 0
+               for i, g in enumerate(geo0.groups)]
+        for rank in self.ranks:
+            for bufs in (rank.view, rank.shadow):
+                _poison_blocks(bufs, rank.geometry, blocks)
+                testing.fill_sequence(bufs, rank.geometry, s, upto_block=hit)
+        local = [list(b[h:]) for b, h in zip(blocks, hit)]
+        t0 = time.perf_counter()
+        for rank in self.ranks:
+            rank.client.read(f"d-{seq}", remote, num_tokens, local, remote_blocks, deadline_s)
+        results = [self._wait(rank, f"d-{seq}", deadline_s + 5) for rank in self.ranks]
+        latency = time.perf_counter() - t0
+        failed = [r for r in results if r.status != "received"]
+        if failed:
+            self.free(blocks)
+            return {"status": "failed", "reason": failed[0].reason, "latency_s": latency, "bytes": 0}
+        chunks = self._chunk_tokens(remote_shape, remote.tp_size)
+        for rank in self.ranks:
+            testing.expect_after_read(rank.shadow, rank.geometry, s, hit, chunks, in_place=True)
+            bad = _compare_blocks(rank.view, rank.shadow, rank.geometry, blocks)
+            if bad:
+                raise VerificationError(f"{self.engine_id} rank {rank.geometry.tp_rank} request d-{seq}: {bad}")
+        self.free(blocks)
+        return {"status": "received", "latency_s": latency, "bytes": sum(r.nbytes for r in results)}
+
+    def _chunk_tokens(self, remote_shape: ModelShape, remote_tp: int) -> list[int]:
+        """Per group, the transfer chunk (tokens): the smaller kernel page of the two sides."""
+        local = self.ranks[0].geometry.groups
+        remote = build(remote_shape, remote_tp, 0).groups
+        return [min(lg.tokens_per_page, rg.tokens_per_page) for lg, rg in zip(local, remote)]
+
+    def verify_all(self) -> list:
+        """Full-buffer comparison (catches stray writes outside any request's pages)."""
+        out = []
+        for rank in self.ranks:
+            out += testing.check(rank.view, rank.shadow, rank.geometry)
+        return out
+
+    def _wait(self, rank: Rank, request_id: str, timeout_s: float):
+        pending = rank.pending
+        deadline = time.monotonic() + timeout_s
+        while request_id not in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.engine_id} rank {rank.geometry.tp_rank}: no completion for "
+                                   f"{request_id} within {timeout_s:g} s")
+            for c in rank.client.poll(wait_s=min(left, 1.0)):
+                pending[c.request_id] = c
+        return pending.pop(request_id)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            try:
+                rank.client.unregister()
+            except Exception:
+                pass
+            rank.client.close()
+            rank.view.clear()
+            for mm in rank.mem:
+                mm.close()
+
+
+def _block_pages(geo: Geometry, blocks):
+    """(buffer, start, stop) byte ranges of every page of the given blocks, per group view."""
+    for gi, group in enumerate(geo.groups):
+        for view in group.views:
+            region = geo.regions[view.region]
+            for b in blocks[gi]:
+                start = region.offset + b * group.pages_per_block * view.page_stride
+                yield region.buffer, start, start + group.pages_per_block * view.page_stride
+
+
+def _poison_blocks(bufs, geo: Geometry, blocks) -> None:
+    for buf, start, stop in _block_pages(geo, blocks):
+        bufs[buf][start:stop] = testing.POISON
+
+
+def _compare_blocks(actual, expected, geo: Geometry, blocks) -> list[str]:
+    bad = []
+    for buf, start, stop in _block_pages(geo, blocks):
+        diff = np.flatnonzero(actual[buf][start:stop] != expected[buf][start:stop])
+        if len(diff):
+            bad.append(f"{len(diff)} bytes differ, first at {testing.locate(geo, buf, start + int(diff[0]))}")
+    return bad

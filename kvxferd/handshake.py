@@ -1,0 +1,131 @@
+"""Daemon <-> daemon side channel over ZMQ: who are you, what memory do you have.
+
+The decode daemon asks the prefill daemon for an engine's ranks; the answer carries the
+NIXL agent metadata and, per rank, the compatibility hash, the geometry and the buffer
+addresses. Payloads are msgspec msgpack (never pickle); every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from .geometry import Geometry
+
+HANDSHAKE_VERSION = 1
+MAX_MESSAGE = 256 << 20
+
+
+class HandshakeError(RuntimeError):
+    """A handshake that failed; `reason` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class HandshakeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    engine_id: str
+    requester: str = ""
+
+
+class RankInfo(msgspec.Struct):
+    tp_rank: int
+    tp_size: int
+    compat_hash: str
+    geometry: Geometry
+    buffer_addrs: list[int]
+    mem_type: str = "DRAM"
+    device: int = 0
+
+
+class HandshakeReply(msgspec.Struct):
+    ok: bool
+    reason: str = ""
+    agent: str = ""
+    metadata: bytes = b""
+    ranks: list[RankInfo] = []
+
+
+_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def compat_fields(geo: Geometry) -> dict[str, str]:
+    """What must agree between two engines for their caches to be exchangeable."""
+    segments = sorted(f"{g.name}/{v.name}.{s.name}:{g.kind}:{s.total_units}x{s.token_bytes}"
+                      for g in geo.groups for v in g.views for s in v.segments)
+    return {"protocol": str(HANDSHAKE_VERSION), "model": geo.model, "dtype": geo.dtype,
+            "segments": ",".join(segments)}
+
+
+def compat_hash(geo: Geometry) -> str:
+    return hashlib.sha256(_encoder.encode(compat_fields(geo))).hexdigest()[:16]
+
+
+def explain_mismatch(local: Geometry, remote: Geometry) -> str:
+    a, b = compat_fields(local), compat_fields(remote)
+    diffs = [f"{k}: local {a[k][:80]!r} vs remote {b[k][:80]!r}" for k in a if a[k] != b[k]]
+    return "compatibility hash mismatch; " + "; ".join(diffs)
+
+
+class HandshakeServer:
+    """ROUTER socket answering handshake requests with `answer(request) -> reply`."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        self.answer = answer
+        self.bad_requests = 0
+
+    async def run(self) -> None:
+        while True:
+            parts = await self.sock.recv_multipart()
+            if len(parts) != 3 or parts[1] != b"":
+                self.bad_requests += 1
+                continue
+            try:
+                reply = self.answer(_req_decoder.decode(parts[2]))
+            except msgspec.DecodeError as exc:
+                self.bad_requests += 1
+                reply = HandshakeReply(False, f"malformed handshake request: {exc}")
+            await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str, timeout_s: float,
+                  requester: str = "") -> HandshakeReply:
+    """Ask the daemon at host:port for engine_id's ranks; raise HandshakeError on any failure."""
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        await sock.send(_encoder.encode(HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester)))
+        if not await sock.poll(timeout=int(timeout_s * 1000)):
+            raise HandshakeError("timeout", f"no handshake answer from {host}:{port} within {timeout_s:g} s")
+        try:
+            reply = _reply_decoder.decode(await sock.recv())
+        except msgspec.DecodeError as exc:
+            raise HandshakeError("malformed", f"malformed handshake answer from {host}:{port}: {exc}") from None
+    except zmq.ZMQError as exc:
+        raise HandshakeError("unreachable", f"handshake with {host}:{port} failed: {exc}") from None
+    finally:
+        sock.close(0)
+    if not reply.ok:
+        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {reply.reason}")
+    return reply

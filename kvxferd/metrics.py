@@ -1,0 +1,95 @@
+"""Prometheus metrics and the HTTP exporter (/metrics, /healthz, /readyz)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from . import __version__
+
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_DESCS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.build_info = Info("kvxferd_build", "kvxferd build information", registry=r)
+        self.build_info.info({"version": __version__})
+        self.transfers = Counter("kvxferd_transfers", "Read requests finished, by peer engine and outcome",
+                                 ["peer", "outcome"], registry=r)
+        self.transfer_bytes = Counter("kvxferd_transfer_bytes", "Bytes read from peers", ["peer"], registry=r)
+        self.transfer_seconds = Histogram("kvxferd_transfer_duration_seconds",
+                                          "Read call to completion, by peer and outcome", ["peer", "outcome"],
+                                          buckets=_LATENCY, registry=r)
+        self.descriptors = Histogram("kvxferd_transfer_descriptors", "Descriptors per read request", ["peer"],
+                                     buckets=_DESCS, registry=r)
+        self.handshakes = Counter("kvxferd_handshakes", "Handshakes with peer daemons, by outcome",
+                                  ["peer", "outcome"], registry=r)
+        self.handshake_failures = Counter("kvxferd_handshake_failures", "Failed handshakes by reason",
+                                          ["reason"], registry=r)
+        self.handshake_seconds = Histogram("kvxferd_handshake_duration_seconds", "Handshake round trip",
+                                           buckets=_LATENCY, registry=r)
+        self.handshakes_served = Counter("kvxferd_handshakes_served", "Handshake requests answered, by outcome",
+                                         ["outcome"], registry=r)
+        self.inflight = Gauge("kvxferd_transfers_in_flight", "Read requests in flight", registry=r)
+        self.quarantined = Gauge("kvxferd_quarantined_transfers",
+                                 "Transfers past their deadline whose outcome is unknown", registry=r)
+        self.held = Gauge("kvxferd_held_requests", "Prefill requests held for consumers", registry=r)
+        self.held_oldest = Gauge("kvxferd_held_oldest_age_seconds", "Age of the oldest held request", registry=r)
+        self.holds_finished = Counter("kvxferd_holds", "Held requests finished, by outcome (sent, expired, dropped)",
+                                      ["outcome"], registry=r)
+        self.notifs_sent = Counter("kvxferd_notifications_sent", "Notifications sent to peers", registry=r)
+        self.notifs_received = Counter("kvxferd_notifications_received", "Notifications received, by kind",
+                                       ["kind"], registry=r)
+        self.rpc = Counter("kvxferd_rpc_requests", "Engine RPC requests by method and outcome",
+                           ["method", "outcome"], registry=r)
+        self.rpc_seconds = Histogram("kvxferd_rpc_duration_seconds", "Engine RPC handling time", ["method"],
+                                     buckets=_LATENCY, registry=r)
+        self.engines = Gauge("kvxferd_registered_engines", "Engines with at least one registered rank", registry=r)
+        self.ranks = Gauge("kvxferd_registered_ranks", "Registered engine ranks", registry=r)
+        self.registered_bytes = Gauge("kvxferd_registered_memory_bytes", "Bytes of engine memory registered",
+                                      registry=r)
+        self.nixl_post = Histogram("kvxferd_nixl_post_seconds", "NIXL post time per transfer", buckets=_LATENCY,
+                                   registry=r)
+        self.nixl_xfer = Histogram("kvxferd_nixl_transfer_seconds", "NIXL transfer time per transfer",
+                                   buckets=_LATENCY, registry=r)
+        self.peers = Gauge("kvxferd_peers", "Peer daemons with a live handshake", registry=r)
+        self.rejected = Counter("kvxferd_rejected_connections", "Engine connections refused, by reason",
+                                ["reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def serve_http(metrics: Metrics, host: str, port: int, ready) -> asyncio.AbstractServer:
+    """A minimal HTTP/1.0 exporter on the daemon's loop (no thread touches daemon state)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) > 1 else ""
+            if path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, metrics.render()
+            elif path == "/healthz":
+                status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/readyz":
+                ok = ready()
+                status, ctype, body = ("200 OK" if ok else "503 Service Unavailable"), "text/plain", \
+                    (b"ready\n" if ok else b"not ready\n")
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

@@ -1,0 +1,112 @@
+"""The one module that calls `nixl._api`.
+
+One NIXL agent per daemon process (NIXL's maintainers advise one agent per process); it
+registers the memory of every engine rank the daemon serves. Every call happens on the
+daemon's event-loop thread, so the agent runs without a listener thread and without
+thread synchronisation. The agent name carries a random epoch, so a restarted daemon
+never matches metadata cached by its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+DONE, PENDING = "DONE", "PROC"
+
+
+class TransferError(RuntimeError):
+    """NIXL reported a failed transfer (remote disconnect, backend error)."""
+
+
+@dataclass
+class Registration:
+    handle: object
+    nbytes: int
+
+
+class NixlDriver:
+    def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
+                 telemetry: bool = True) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config  # heavy import, kept local
+
+        self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                   capture_telemetry=telemetry, backends=list(backends))
+        self.agent = nixl_agent(self.name, config)
+        self.telemetry = telemetry
+
+    # --- memory ---------------------------------------------------------------
+    def register(self, addr: int, nbytes: int, mem_type: str = "DRAM", device: int = 0) -> Registration:
+        descs = self.agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
+        return Registration(self.agent.register_memory(descs, mem_type), nbytes)
+
+    def deregister(self, reg: Registration) -> None:
+        self.agent.deregister_memory(reg.handle)
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    # --- peers ----------------------------------------------------------------
+    def add_peer(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_peer(self, name: str) -> None:
+        self.agent.remove_remote_agent(name)
+
+    # --- descriptor lists ------------------------------------------------------
+    def prep_local(self, descs: np.ndarray, mem_type: str = "DRAM"):
+        return self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.agent.get_xfer_descs(descs, mem_type), mem_type)
+
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: str = "DRAM"):
+        return self.agent.prep_xfer_dlist(peer, self.agent.get_xfer_descs(descs, mem_type), mem_type)
+
+    def release_dlist(self, handle) -> None:
+        self.agent.release_dlist_handle(handle)
+
+    # --- transfers ------------------------------------------------------------
+    def read(self, local_handle, local_ids: np.ndarray, remote_handle, remote_ids: np.ndarray, notif: bytes):
+        """Post a READ; returns the transfer handle. Raises TransferError if NIXL refuses it."""
+        try:
+            handle = self.agent.make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids, notif)
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # nixl raises its own typed exceptions
+            raise TransferError(f"posting READ failed: {exc}") from exc
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransferError("posting READ failed: NIXL returned ERR")
+        return handle
+
+    def state(self, handle) -> str:
+        """DONE or PROC; raises TransferError on any failure NIXL reports."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            raise TransferError(str(exc)) from exc
+        if state not in (DONE, PENDING):
+            raise TransferError(f"transfer state {state}")
+        return state
+
+    def telemetry_of(self, handle) -> tuple[float, float] | None:
+        """(post seconds, transfer seconds) of a finished transfer, when telemetry is on."""
+        if not self.telemetry:
+            return None
+        try:
+            t = self.agent.get_xfer_telemetry(handle)
+            return t.postDuration / 1e6, t.xferDuration / 1e6
+        except Exception:
+            return None
+
+    def release(self, handle) -> None:
+        self.agent.release_xfer_handle(handle)
+
+    # --- notifications --------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        self.agent.send_notif(peer, message)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
