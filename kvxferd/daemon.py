@@ -164,7 +164,8 @@ class Daemon:
         self.early_notifs: dict[tuple[str, int, str], tuple[int, int, float]] = {}
         self.failures: deque = deque(maxlen=64)
         self.rates: deque = deque(maxlen=4096)  # (finish time, bytes) of recent reads
-        self.counters = {"received": 0, "failed": 0, "sent": 0, "expired": 0, "unknown_notifs": 0}
+        self.counters = {"received": 0, "failed": 0, "sent": 0, "expired": 0, "unknown_notifs": 0,
+                         "handshakes": 0, "handshake_failures": 0}
         self.started = time.time()
         self.ready = False
         self._wake = asyncio.Event()
@@ -547,12 +548,14 @@ class Daemon:
                 validate(r.geometry)
             peer.agent = self.nixl.add_peer(reply.metadata)
             peer.ranks, peer.since = ranks, time.time()
+            self.counters["handshakes"] += 1
             self.metrics.handshakes.labels(peer.label, "ok").inc()
             self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
             self.metrics.peers.set(len(self.peers))
             peer.ready.set_result(None)
         except Exception as exc:
             err = exc if isinstance(exc, hs.HandshakeError) else hs.HandshakeError("invalid", str(exc))
+            self.counters["handshake_failures"] += 1
             self.metrics.handshakes.labels(peer.label, "failed").inc()
             self.metrics.handshake_failures.labels(err.reason).inc()
             log.warning("handshake failed: peer=%s address=%s reason=%s: %s", peer.label, peer.address,

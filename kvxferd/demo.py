@@ -140,36 +140,83 @@ class DemoResult:
                 "prefill_released": self.released}
 
 
+class Cluster:
+    """Two daemons and two synthetic engines (prefill, decode), each in its own process."""
+
+    def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
+                 workdir: str | None = None, metrics: bool = False) -> None:
+        self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-") if workdir is None else None
+        self.work = Path(workdir or self._tmp.name)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.daemons: list[DaemonProcess] = []
+        self.engines: list[EngineProcess] = []
+        port = 0 if metrics else -1
+        try:
+            self.daemons = [DaemonProcess(self.work, "prefill-daemon", port),
+                            DaemonProcess(self.work, "decode-daemon", port)]
+            self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp)
+            self.engines.append(self.prefill)
+            self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp)
+            self.engines.append(self.decode)
+        except BaseException:
+            self.close()
+            raise
+        host, port_s = self.prefill.side_channel.rsplit(":", 1)
+        self.host, self.port = host, int(port_s)
+        self._p_shape_bytes = msgspec.msgpack.encode(self.p_shape)
+
+    def remote(self, seq: int) -> RemoteRef:
+        return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}")
+
+    def transfer(self, seq: int, num_tokens: int, hit_tokens: int = 0, lease_s: float = 30.0,
+                 deadline_s: float = 30.0) -> dict:
+        """Prefill a prompt, read it on the decode side (verified there), wait for its release."""
+        blocks = self.prefill.call("prefill", seq, num_tokens, lease_s)
+        try:
+            out = self.decode.call("decode", seq, num_tokens, self.remote(seq), blocks, hit_tokens, deadline_s,
+                                   self._p_shape_bytes, timeout=deadline_s + 60)
+            out["released"] = self.prefill.call("wait_released", seq, lease_s + 5, timeout=lease_s + 60)
+        finally:
+            self.prefill.call("free", blocks)
+        return out
+
+    def status(self, which: int) -> dict:
+        from .rpc import Client
+        from . import protocol as P
+
+        with Client(self.daemons[which].socket) as c:
+            return c.call(P.StatusQuery()).status
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        for d in self.daemons:
+            d.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens: int, hit_ratio: float,
              seed: int, workdir: str | None = None, progress=None, p_shape: ModelShape | None = None,
              lease_s: float = 30.0, deadline_s: float = 30.0) -> DemoResult:
     """Start everything, run `requests` prompts P -> D, verify every byte; raise DemoError on mismatch."""
-    p_shape = p_shape or shape
-    tmp = tempfile.TemporaryDirectory(prefix="kvxferd-demo-") if workdir is None else None
-    work = Path(workdir or tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
-    daemons, engines = [], []
-    try:
-        daemons = [DaemonProcess(work, "prefill-daemon"), DaemonProcess(work, "decode-daemon")]
-        prefill = EngineProcess(daemons[0].socket, "prefill", p_shape, p_tp)
-        engines.append(prefill)
-        decode = EngineProcess(daemons[1].socket, "decode", shape, d_tp)
-        engines.append(decode)
-        host, port = prefill.side_channel.rsplit(":", 1)
-        rng = np.random.default_rng(seed)
-        p_shape_bytes = msgspec.msgpack.encode(p_shape)
-        result = DemoResult(requests, 0, 0, 0, 0.0, [], 0, {})
-        step = shape.block_size
+    rng = np.random.default_rng(seed)
+    result = DemoResult(requests, 0, 0, 0, 0.0, [], 0, {})
+    with Cluster(shape, p_tp, d_tp, p_shape, workdir) as cluster:
         for i in range(requests):
             num_tokens = int(rng.integers(1, max_tokens + 1))
             hit = 0
-            if shape.kind not in ("mamba2", "gdn") and rng.random() < hit_ratio and num_tokens > step:
-                hit = int(rng.integers(1, num_tokens // step + 1)) * step
+            if shape.kind not in ("mamba2", "gdn") and rng.random() < hit_ratio and num_tokens > shape.block_size:
+                hit = int(rng.integers(1, num_tokens // shape.block_size + 1)) * shape.block_size
                 result.prefix_hits += 1
-            blocks = prefill.call("prefill", i, num_tokens, lease_s)
-            remote = RemoteRef("prefill", host, int(port), p_tp, f"req-{i}")
-            out = decode.call("decode", i, num_tokens, remote, blocks, hit, deadline_s, p_shape_bytes,
-                              timeout=deadline_s + 60)
+            out = cluster.transfer(i, num_tokens, hit, lease_s, deadline_s)
             if out["status"] == "received":
                 result.received += 1
                 result.bytes += out["bytes"]
@@ -177,20 +224,11 @@ def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens:
                 result.latencies.append(out["latency_s"])
             else:
                 result.failed += 1
-            for status in prefill.call("wait_released", i, lease_s + 5, timeout=lease_s + 60):
+            for status in out["released"]:
                 result.released[status] = result.released.get(status, 0) + 1
-            prefill.call("free", blocks)
             if progress:
                 progress(1)
-        stray = decode.call("verify_all")
+        stray = cluster.decode.call("verify_all")
         if stray:
             raise DemoError(f"bytes outside any request changed on the decode engine: {stray}")
-        return result
-    finally:
-        for e in engines:
-            e.close()
-        for d in daemons:
-            d.stop()
-        if tmp is not None:
-            tmp.cleanup()
-
+    return result

@@ -105,7 +105,8 @@ class SyntheticEngine:
         failed = [r for r in results if r.status != "received"]
         if failed:
             self.free(blocks)
-            return {"status": "failed", "reason": failed[0].reason, "latency_s": latency, "bytes": 0}
+            return {"status": "failed", "reason": failed[0].reason, "latency_s": latency, "bytes": 0,
+                    "block_ids": [r.block_ids for r in failed], "local_blocks": local}
         chunks = self._chunk_tokens(remote_shape, remote.tp_size)
         for rank in self.ranks:
             testing.expect_after_read(rank.shadow, rank.geometry, s, hit, chunks, in_place=True)
