@@ -15,16 +15,20 @@ from . import protocol as P
 from .geometry import Geometry
 from .rpc import AsyncClient, Client, DaemonError
 
-__all__ = ["EngineClient", "AsyncEngineClient", "DaemonError", "RemoteRef", "Completion"]
+__all__ = ["EngineClient", "AsyncEngineClient", "DaemonError", "RemoteRef", "Completion", "MemoryHandle"]
 
 RemoteRef = P.RemoteRef
 Completion = P.Completion
 
 
-def _memory(geometry: Geometry, shm_fds, cuda) -> tuple[list[P.MemoryHandle], list[int]]:
+MemoryHandle = P.MemoryHandle
+
+
+def _memory(geometry: Geometry, shm_fds, memory) -> tuple[list[P.MemoryHandle], list[int]]:
+    """shm_fds: one memfd per buffer (sizes from the geometry); or explicit handles."""
     if shm_fds:
         return [P.MemoryHandle("shm", size) for size in geometry.buffers], list(shm_fds)
-    return [P.MemoryHandle("cuda_ipc", size, h) for size, h in zip(geometry.buffers, cuda)], []
+    return list(memory), []
 
 
 class EngineClient:
@@ -35,10 +39,16 @@ class EngineClient:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
 
-    def register(self, geometry: Geometry, shm_fds: list[int] = (), cuda: list[bytes] = ()) -> str:
-        """Hand the daemon this rank's KV memory; returns the side channel peers should dial."""
-        memory, fds = _memory(geometry, shm_fds, cuda)
-        reply = self.rpc.call(P.Register(self.engine_id, self.rank, self.tp_size, geometry, memory), fds)
+    def register(self, geometry: Geometry, shm_fds: list[int] = (), memory: list[P.MemoryHandle] = (),
+                 fds: list[int] = ()) -> str:
+        """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
+
+        Host memory: `shm_fds`, one memfd per geometry buffer. GPU memory: `memory` handles
+        (cuda_vmm with their fds in `fds`, in order; or cuda_ipc handles).
+        """
+        memory, shm = _memory(geometry, shm_fds, memory)
+        reply = self.rpc.call(P.Register(self.engine_id, self.rank, self.tp_size, geometry, memory),
+                              shm or list(fds))
         self.side_channel = reply.side_channel
         return reply.side_channel
 
@@ -80,10 +90,11 @@ class AsyncEngineClient:
     async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> "AsyncEngineClient":
         return cls(await AsyncClient.connect(socket_path, f"{engine_id}/{rank}"), engine_id, rank, tp_size)
 
-    async def register(self, geometry: Geometry, shm_fds: list[int] = (), cuda: list[bytes] = ()) -> str:
-        memory, fds = _memory(geometry, shm_fds, cuda)
+    async def register(self, geometry: Geometry, shm_fds: list[int] = (), memory: list[P.MemoryHandle] = (),
+                       fds: list[int] = ()) -> str:
+        memory, shm = _memory(geometry, shm_fds, memory)
         return (await self.rpc.call(P.Register(self.engine_id, self.rank, self.tp_size, geometry, memory),
-                                    fds)).side_channel
+                                    shm or list(fds))).side_channel
 
     async def unregister(self) -> None:
         await self.rpc.call(P.Unregister(self.engine_id, self.rank))

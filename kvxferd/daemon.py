@@ -30,7 +30,7 @@ from . import __version__, handshake as hs, protocol as P
 from .config import Config
 from .descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
 from .geometry import Geometry, GeometryError, validate
-from .memory import Mapping, MappingError, map_cuda, map_shm
+from .memory import Mapping, MappingError, map_cuda, map_cuda_vmm, map_shm
 from .metrics import Metrics, serve_http
 from .nixl_driver import DONE, NixlDriver, TransferError
 from .planner import PlanError, RankPlan, consumers, plan_rank
@@ -313,7 +313,7 @@ class Daemon:
 
     # --- registration ---------------------------------------------------------
     def _register(self, conn: ServerConnection, msg: P.Register, owned: set) -> P.Msg:
-        n_fds = sum(1 for m in msg.memory if m.kind == "shm")
+        n_fds = sum(1 for m in msg.memory if m.has_fd)
         fds = conn.reader.take_fds(n_fds)
         try:
             if (msg.engine_id, msg.tp_rank) in self.engines:
@@ -334,8 +334,12 @@ class Daemon:
             try:
                 fd_iter = iter(fds)
                 for m in msg.memory:
-                    mappings.append(map_shm(next(fd_iter), m.nbytes) if m.kind == "shm"
-                                    else map_cuda(m.cuda_handle, m.nbytes))
+                    if m.kind == "shm":
+                        mappings.append(map_shm(next(fd_iter), m.nbytes))
+                    elif m.kind == "cuda_vmm":
+                        mappings.append(map_cuda_vmm(next(fd_iter), m.nbytes, m.device))
+                    else:
+                        mappings.append(map_cuda(m.cuda_handle, m.nbytes))
                 fds = []
             except MappingError as exc:
                 for mp in mappings:
@@ -344,7 +348,17 @@ class Daemon:
         finally:
             for fd in fds:
                 os.close(fd)
-        regs = [self.nixl.register(mp.address, mp.nbytes, mp.kind, mp.device) for mp in mappings]
+        regs = []
+        try:
+            for mp in mappings:
+                regs.append(self.nixl.register(mp.address, mp.nbytes, mp.kind, mp.device))
+        except Exception as exc:
+            for reg in regs:
+                self.nixl.deregister(reg)
+            for mp in mappings:
+                mp.close()
+            raise RequestError("unsupported", f"NIXL cannot register this engine's {mappings[0].kind} memory "
+                                              f"({msg.memory[0].kind}): {exc}") from None
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
                         region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn)
         self.engines[er.key] = er

@@ -25,11 +25,11 @@ class DemoError(RuntimeError):
     pass
 
 
-def _engine_main(conn, socket_path: str, engine_id: str, shape: bytes, tp: int) -> None:
+def _engine_main(conn, socket_path: str, engine_id: str, shape: bytes, tp: int, device: str) -> None:
     from .engine import SyntheticEngine
 
     try:
-        eng = SyntheticEngine(socket_path, engine_id, msgspec.msgpack.decode(shape, type=ModelShape), tp)
+        eng = SyntheticEngine(socket_path, engine_id, msgspec.msgpack.decode(shape, type=ModelShape), tp, device)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -52,11 +52,11 @@ def _engine_main(conn, socket_path: str, engine_id: str, shape: bytes, tp: int) 
 class EngineProcess:
     """A synthetic engine in its own process, driven over a pipe."""
 
-    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp: int) -> None:
+    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp: int, device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_main, args=(child, socket_path, engine_id,
-                                                           msgspec.msgpack.encode(shape), tp), daemon=True)
+                                                           msgspec.msgpack.encode(shape), tp, device), daemon=True)
         self.proc.start()
         self.engine_id = engine_id
         self.side_channel = self._result(120)
@@ -144,7 +144,7 @@ class Cluster:
     """Two daemons and two synthetic engines (prefill, decode), each in its own process."""
 
     def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
-                 workdir: str | None = None, metrics: bool = False) -> None:
+                 workdir: str | None = None, metrics: bool = False, device: str = "cpu") -> None:
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
         self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-") if workdir is None else None
         self.work = Path(workdir or self._tmp.name)
@@ -155,9 +155,9 @@ class Cluster:
         try:
             self.daemons = [DaemonProcess(self.work, "prefill-daemon", port),
                             DaemonProcess(self.work, "decode-daemon", port)]
-            self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp)
+            self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp, device)
             self.engines.append(self.prefill)
-            self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp)
+            self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp, device)
             self.engines.append(self.decode)
         except BaseException:
             self.close()

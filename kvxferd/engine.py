@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import testing
-from .client import EngineClient, RemoteRef
+from .client import EngineClient, MemoryHandle, RemoteRef
 from .geometry import ATTENTION, Geometry
 from .memory import create_shm
 from .models import ModelShape, build
@@ -29,34 +29,80 @@ class VerificationError(AssertionError):
 class Rank:
     geometry: Geometry
     client: EngineClient
-    mem: list  # mmaps
-    view: list[np.ndarray]  # numpy views of the shared memory
+    mem: list  # mmaps (host) or torch CUDA tensors (GPU)
+    view: list[np.ndarray]  # host bytes: the shared memory itself, or a staging copy of GPU memory
     shadow: list[np.ndarray]  # what the memory should hold
     pending: dict = field(default_factory=dict)  # completions polled but not yet waited for
+    gpu: bool = False
+
+    def upload(self) -> None:
+        """GPU ranks: push the staging copy to device memory (host ranks share it already)."""
+        for buf, v in zip(self.mem, self.view) if self.gpu else ():
+            if hasattr(buf, "write"):
+                buf.write(v)
+            else:
+                import torch
+                buf.copy_(torch.from_numpy(v))
+                torch.cuda.synchronize()
+
+    def download(self) -> None:
+        for buf, v in zip(self.mem, self.view) if self.gpu else ():
+            if hasattr(buf, "read"):
+                buf.read(v)
+            else:
+                v[:] = buf.cpu().numpy()
 
 
 class SyntheticEngine:
-    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp_size: int) -> None:
+    def __init__(self, socket_path: str, engine_id: str, shape: ModelShape, tp_size: int,
+                 device: str = "cpu") -> None:
         self.engine_id, self.shape, self.tp_size = engine_id, shape, tp_size
         self.ranks: list[Rank] = []
         for r in range(tp_size):
             geo = build(shape, tp_size, r)
-            fds, mems, views = [], [], []
-            for size in geo.buffers:
-                fd, mm = create_shm(size, f"{engine_id}-{r}")
-                fds.append(fd)
-                mems.append(mm)
-                view = np.frombuffer(mm, dtype=np.uint8)
-                view[:] = testing.POISON
-                views.append(view)
             client = EngineClient(socket_path, engine_id, r, tp_size)
-            self.side_channel = client.register(geo, shm_fds=fds)
-            for fd in fds:
-                os.close(fd)
-            self.ranks.append(Rank(geo, client, mems, views, [v.copy() for v in views]))
+            if device.startswith("cuda"):
+                rank = self._gpu_rank(geo, client, device)
+            else:
+                fds, mems, views = [], [], []
+                for size in geo.buffers:
+                    fd, mm = create_shm(size, f"{engine_id}-{r}")
+                    fds.append(fd)
+                    mems.append(mm)
+                    view = np.frombuffer(mm, dtype=np.uint8)
+                    view[:] = testing.POISON
+                    views.append(view)
+                self.side_channel = client.register(geo, shm_fds=fds)
+                for fd in fds:
+                    os.close(fd)
+                rank = Rank(geo, client, mems, views, [v.copy() for v in views])
+            self.ranks.append(rank)
         geo0 = self.ranks[0].geometry
         self.pool = list(range(min(g.num_blocks for g in geo0.groups)))
         self.pool.reverse()
+
+    def _gpu_rank(self, geo: Geometry, client: EngineClient, device: str) -> Rank:
+        """cuda-vmm: shareable VMM allocations passed as fds; cuda-ipc: torch tensors, IPC handles."""
+        views = [np.full(size, testing.POISON, dtype=np.uint8) for size in geo.buffers]
+        if device == "cuda-ipc":
+            import torch
+
+            from .memory import export_cuda
+            bufs = [torch.full((size,), testing.POISON, dtype=torch.uint8, device="cuda") for size in geo.buffers]
+            torch.cuda.synchronize()
+            memory = [MemoryHandle("cuda_ipc", size, 0, export_cuda(t)) for size, t in zip(geo.buffers, bufs)]
+            self.side_channel = client.register(geo, memory=memory)
+        else:
+            from .memory import VmmBuffer
+            bufs = [VmmBuffer(size) for size in geo.buffers]
+            for b, v in zip(bufs, views):
+                b.write(np.resize(v, b.nbytes))
+            fds = [b.export() for b in bufs]
+            self.side_channel = client.register(geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in bufs],
+                                                fds=fds)
+            for fd in fds:
+                os.close(fd)
+        return Rank(geo, client, bufs, views, [v.copy() for v in views], gpu=True)
 
     # --- blocks ---------------------------------------------------------------
     def allocate(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
@@ -75,6 +121,7 @@ class SyntheticEngine:
         s = testing.Sequence(seq, num_tokens, blocks)
         for rank in self.ranks:
             testing.fill_sequence(rank.view, rank.geometry, s)
+            rank.upload()
         for rank in self.ranks:
             rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks])
         return blocks
@@ -96,6 +143,7 @@ class SyntheticEngine:
             for bufs in (rank.view, rank.shadow):
                 _poison_blocks(bufs, rank.geometry, blocks)
                 testing.fill_sequence(bufs, rank.geometry, s, upto_block=hit)
+            rank.upload()
         local = [list(b[h:]) for b, h in zip(blocks, hit)]
         t0 = time.perf_counter()
         for rank in self.ranks:
@@ -109,6 +157,7 @@ class SyntheticEngine:
                     "block_ids": [r.block_ids for r in failed], "local_blocks": local}
         chunks = self._chunk_tokens(remote_shape, remote.tp_size)
         for rank in self.ranks:
+            rank.download()
             testing.expect_after_read(rank.shadow, rank.geometry, s, hit, chunks, in_place=True)
             bad = _compare_blocks(rank.view, rank.shadow, rank.geometry, blocks)
             if bad:
@@ -126,6 +175,7 @@ class SyntheticEngine:
         """Full-buffer comparison (catches stray writes outside any request's pages)."""
         out = []
         for rank in self.ranks:
+            rank.download()
             out += testing.check(rank.view, rank.shadow, rank.geometry)
         return out
 
@@ -150,7 +200,8 @@ class SyntheticEngine:
             rank.client.close()
             rank.view.clear()
             for mm in rank.mem:
-                mm.close()
+                if hasattr(mm, "close"):
+                    mm.close()
 
 
 def _block_pages(geo: Geometry, blocks):

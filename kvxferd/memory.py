@@ -45,7 +45,7 @@ class Mapping:
     _keep: object  # the mmap or the CUDA storage that keeps the mapping alive
 
     def close(self) -> None:
-        if isinstance(self._keep, mmap.mmap):
+        if hasattr(self._keep, "close"):  # mmap or VMM mapping; CUDA IPC storages just drop
             self._keep.close()
         self._keep = None
 
@@ -92,3 +92,118 @@ def map_cuda(handle: bytes, nbytes: int) -> Mapping:
     except Exception as exc:
         raise MappingError(f"cannot open CUDA IPC handle on device {device}: {exc}") from exc
     return Mapping("VRAM", storage.data_ptr(), nbytes, device, storage)
+
+
+# --- CUDA VMM: shareable POSIX fd, the fallback when IPC-imported memory cannot be registered ---
+#
+#   engine: cuMemCreate(POSIX_FD) -> cuMemMap -> cuMemExportToShareableHandle -> fd ==SCM_RIGHTS==>
+#   daemon: cuMemImportFromShareableHandle(fd) -> cuMemAddressReserve -> cuMemMap -> register VRAM
+
+
+def _cu():
+    from cuda.bindings import driver as cu  # only here: the GPU path
+
+    return cu
+
+
+def _check(result, what: str):
+    cu = _cu()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise MappingError(f"{what} failed: {err.name if hasattr(err, 'name') else err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _context(device: int):
+    cu = _cu()
+    _check(cu.cuInit(0), "cuInit")
+    dev = _check(cu.cuDeviceGet(device), "cuDeviceGet")
+    ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def _prop(device: int):
+    cu = _cu()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _map(handle, nbytes: int, device: int) -> int:
+    cu = _cu()
+    gran = _check(cu.cuMemGetAllocationGranularity(
+        _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
+    ptr = _check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve")
+    _check(cu.cuMemMap(ptr, nbytes, 0, handle, 0), "cuMemMap")
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    _check(cu.cuMemSetAccess(ptr, nbytes, [access], 1), "cuMemSetAccess")
+    return int(ptr)
+
+
+def vmm_size(nbytes: int, device: int = 0) -> int:
+    """`nbytes` rounded up to the allocation granularity (VMM sizes must be multiples of it)."""
+    cu = _cu()
+    _context(device)
+    gran = _check(cu.cuMemGetAllocationGranularity(
+        _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
+    return -(-nbytes // int(gran)) * int(gran)
+
+
+class VmmBuffer:
+    """Engine side: device memory allocated shareable; `export()` gives an fd for the daemon."""
+
+    def __init__(self, nbytes: int, device: int = 0) -> None:
+        cu = _cu()
+        self.nbytes, self.device = vmm_size(nbytes, device), device
+        self.handle = _check(cu.cuMemCreate(self.nbytes, _prop(device), 0), "cuMemCreate")
+        self.address = _map(self.handle, self.nbytes, device)
+
+    def export(self) -> int:
+        cu = _cu()
+        return int(_check(cu.cuMemExportToShareableHandle(
+            self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle"))
+
+    def write(self, data) -> None:
+        _check(_cu().cuMemcpyHtoD(self.address, data, data.nbytes), "cuMemcpyHtoD")
+
+    def read(self, out) -> None:
+        _check(_cu().cuMemcpyDtoH(out, self.address, out.nbytes), "cuMemcpyDtoH")
+
+    def close(self) -> None:
+        _unmap(self.address, self.nbytes, self.handle)
+
+
+def _unmap(address: int, nbytes: int, handle) -> None:
+    cu = _cu()
+    cu.cuMemUnmap(address, nbytes)
+    cu.cuMemAddressFree(address, nbytes)
+    cu.cuMemRelease(handle)
+
+
+class _VmmKeep:
+    def __init__(self, address: int, nbytes: int, handle) -> None:
+        self.address, self.nbytes, self.handle = address, nbytes, handle
+
+    def close(self) -> None:
+        _unmap(self.address, self.nbytes, self.handle)
+
+
+def map_cuda_vmm(fd: int, nbytes: int, device: int) -> Mapping:
+    """Daemon side: import an engine's VMM allocation from its fd and map it here."""
+    cu = _cu()
+    try:
+        _context(device)
+        handle = _check(cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle")
+        address = _map(handle, nbytes, device)
+    finally:
+        os.close(fd)
+    return Mapping("VRAM", address, nbytes, device, _VmmKeep(address, nbytes, handle))

@@ -20,9 +20,15 @@ class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
 
 
 class MemoryHandle(msgspec.Struct, forbid_unknown_fields=True):
-    kind: Literal["shm", "cuda_ipc"]
-    nbytes: int
-    cuda_handle: bytes = b""  # cuda_ipc: from memory.export_cuda; shm: the fd travels as SCM_RIGHTS
+    """One engine buffer. shm and cuda_vmm: its fd travels as SCM_RIGHTS with the frame."""
+    kind: Literal["shm", "cuda_vmm", "cuda_ipc"]
+    nbytes: int  # size of the allocation (>= the geometry's buffer size)
+    device: int = 0  # CUDA device ordinal (cuda_*)
+    cuda_handle: bytes = b""  # cuda_ipc: from memory.export_cuda
+
+    @property
+    def has_fd(self) -> bool:
+        return self.kind in ("shm", "cuda_vmm")
 
 
 class Hello(Msg, tag="hello"):
