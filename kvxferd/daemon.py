@@ -130,6 +130,7 @@ class Peer:
 class Transfer:
     engine: EngineRank
     request_id: str
+    remote: str  # the remote engine id: the peer label in metrics and logs
     peer: Peer | None
     local_blocks: list[list[int]]
     started: float
@@ -373,9 +374,9 @@ class Daemon:
         if er.closing:
             return
         er.closing = True
-        for key, t in list(self.transfers.items()):
+        for t in list(self.transfers.values()):
             if t.engine is er:
-                self._log_failure(t, f"{why} during the transfer")
+                self._fail(t, "engine_gone", f"{why} during the transfer")
         for key, h in list(self.holds.items()):
             if h.engine is er:
                 # Readers may still be pulling these blocks: keep the memory until the lease ends.
@@ -510,7 +511,7 @@ class Daemon:
             raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
                                               f"groups; the geometry has {len(er.geometry.groups)}")
         now = time.monotonic()
-        t = Transfer(er, msg.request_id, None, msg.local_blocks, now, now + msg.deadline_s)
+        t = Transfer(er, msg.request_id, msg.remote.engine_id, None, msg.local_blocks, now, now + msg.deadline_s)
         self.transfers[key] = t
         er.pinned += 1
         self.metrics.inflight.set(len(self.transfers))
@@ -522,18 +523,18 @@ class Daemon:
             peer = await self._peer(msg.remote, t.deadline)
             self._post(t, peer, msg)
         except hs.HandshakeError as exc:
-            self._finish(t, "failed", f"handshake: {exc}")
+            self._fail(t, "handshake", str(exc))
         except (PlanError, GeometryError) as exc:
-            self._finish(t, "failed", f"plan: {exc}")
+            self._fail(t, "plan", str(exc))
         except TransferError as exc:
             if t.peer is not None:
                 self._retire_peer(t.peer, str(exc))
-            self._finish(t, "failed", f"transfer: {exc}")
+            self._fail(t, "engine_gone" if t.engine.closing else "transfer", str(exc))
         except asyncio.TimeoutError:
-            self._finish(t, "failed", "deadline passed while waiting for the handshake")
+            self._fail(t, "deadline", "deadline passed while waiting for the handshake")
         except Exception as exc:
             log.exception("read %s failed unexpectedly", t.request_id)
-            self._finish(t, "failed", f"internal: {type(exc).__name__}: {exc}")
+            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
 
     async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
         """The peer's handshake, done once and shared by every request waiting on it."""
@@ -635,6 +636,11 @@ class Daemon:
         else:
             self._wake.set()
 
+    def _fail(self, t: Transfer, kind: str, reason: str) -> None:
+        if not t.done:
+            self.metrics.transfer_failures.labels(t.remote, kind).inc()
+        self._finish(t, "failed", f"{kind}: {reason}")
+
     def _finish(self, t: Transfer, status: str, reason: str = "") -> None:
         """End a read for the engine. Handles still running go to quarantine."""
         if t.done:
@@ -643,7 +649,7 @@ class Daemon:
         er, now = t.engine, time.monotonic()
         self.transfers.pop((er.engine_id, er.tp_rank, t.request_id), None)
         self.metrics.inflight.set(len(self.transfers))
-        peer_label = t.peer.label if t.peer else "unknown"
+        peer_label = t.remote
         seconds = now - t.started
         self.counters[status] += 1
         self.metrics.transfers.labels(peer_label, status).inc()
@@ -670,7 +676,7 @@ class Daemon:
         self._release_if_idle(t.engine)
 
     def _log_failure(self, t: Transfer, reason: str) -> None:
-        peer = t.peer.label if t.peer else "unknown"
+        peer = t.remote
         entry = {"time": time.time(), "engine": t.engine.engine_id, "rank": t.engine.tp_rank,
                  "request": t.request_id, "peer": peer, "reason": reason}
         self.failures.append(entry)
@@ -740,7 +746,7 @@ class Daemon:
         except TransferError as exc:
             self._release_terminal(t)
             self._retire_peer(t.peer, str(exc))
-            self._finish(t, "failed", f"transfer: {exc}")
+            self._fail(t, "transfer", str(exc))
             return
         if all(s == DONE for s in states):
             for _, h in t.handles:
@@ -751,7 +757,7 @@ class Daemon:
             self._release_terminal(t)
             self._finish(t, "received")
         elif now >= t.deadline:
-            self._finish(t, "failed", f"deadline of {t.deadline - t.started:.3g} s passed; memory quarantined")
+            self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")
 
     def _release_terminal(self, t: Transfer) -> None:
         """Release handles NIXL reports finished (done or failed); keep the ones still running."""
@@ -802,6 +808,7 @@ class Daemon:
         return {
             "version": __version__, "agent": self.nixl.name, "uptime_s": wall - self.started,
             "socket": self.cfg.socket_path, "side_channel": self.cfg.side_channel,
+            "metrics": f"{self.cfg.metrics_host}:{self.metrics_port}" if self.http else None,
             "engines": [{"engine": e.engine_id, "rank": e.tp_rank, "tp_size": e.tp_size, "model": e.geometry.model,
                          "bytes": e.nbytes, "memory": e.mappings[0].kind if e.mappings else "-",
                          "state": "closing" if e.closing else "serving", "pinned": e.pinned,
@@ -810,7 +817,7 @@ class Daemon:
                        "handshake_age_s": wall - p.since if p.since else None, "plans": len(p.plans),
                        "ranks": sorted(p.ranks), "active": p.active} for p in self.peers.values()],
             "in_flight": [{"engine": t.engine.engine_id, "rank": t.engine.tp_rank, "request": t.request_id,
-                           "peer": t.peer.label if t.peer else None, "age_s": now - t.started}
+                           "peer": t.remote, "age_s": now - t.started}
                           for t in self.transfers.values()],
             "quarantined": len(self.quarantine),
             "held": [{"engine": h.engine.engine_id, "rank": h.engine.tp_rank, "request": h.request_id,

@@ -144,7 +144,8 @@ class Cluster:
     """Two daemons and two synthetic engines (prefill, decode), each in its own process."""
 
     def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
-                 workdir: str | None = None, metrics: bool = False, device: str = "cpu") -> None:
+                 workdir: str | None = None, metrics: bool = False, device: str = "cpu",
+                 daemon_args: list[str] = ()) -> None:
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
         self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-") if workdir is None else None
         self.work = Path(workdir or self._tmp.name)
@@ -153,8 +154,8 @@ class Cluster:
         self.engines: list[EngineProcess] = []
         port = 0 if metrics else -1
         try:
-            self.daemons = [DaemonProcess(self.work, "prefill-daemon", port),
-                            DaemonProcess(self.work, "decode-daemon", port)]
+            self.daemons = [DaemonProcess(self.work, "prefill-daemon", port, daemon_args),
+                            DaemonProcess(self.work, "decode-daemon", port, daemon_args)]
             self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp, device)
             self.engines.append(self.prefill)
             self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp, device)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import __version__
 
+disable_created_metrics()  # *_created series only add noise to every dashboard query
+
+FAILURE_KINDS = ("handshake", "plan", "transfer", "deadline", "engine_gone", "internal")
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DESCS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
@@ -20,6 +24,8 @@ class Metrics:
         self.build_info.info({"version": __version__})
         self.transfers = Counter("kvxferd_transfers", "Read requests finished, by peer engine and outcome",
                                  ["peer", "outcome"], registry=r)
+        self.transfer_failures = Counter("kvxferd_transfer_failures", "Failed reads by peer and reason",
+                                         ["peer", "reason"], registry=r)
         self.transfer_bytes = Counter("kvxferd_transfer_bytes", "Bytes read from peers", ["peer"], registry=r)
         self.transfer_seconds = Histogram("kvxferd_transfer_duration_seconds",
                                           "Read call to completion, by peer and outcome", ["peer", "outcome"],

@@ -1,0 +1,270 @@
+"""Operations artifacts, each checked by the real tool that would reject it: promtool, a real
+Prometheus server scraping real daemons, systemd-analyze, Helm, kubernetes-validate, hadolint."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+
+from kvxferd.client import RemoteRef
+from kvxferd.demo import Cluster, DaemonProcess
+from kvxferd.models import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=128, layers=2)
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed (scripts/test.sh installs it)"
+    return path
+
+
+def fetch(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two daemons with exporters and JSON logs, under a workload with a failure and an expiry."""
+    with Cluster(SHAPE, 2, 4, metrics=True, daemon_args=["--log-format", "json"]) as c:
+        for seq in range(6):
+            assert c.transfer(seq, num_tokens=20 + 13 * seq, hit_tokens=16 * (seq % 2))["status"] == "received"
+        bad = RemoteRef("missing-engine", c.host, c.port, 2, "req-x")
+        out = c.decode.call("decode", 99, 20, bad, [[0, 1]], 0, 5.0, msgspec.msgpack.encode(SHAPE))
+        assert out["status"] == "failed"
+        from kvxferd import protocol as P
+        from kvxferd.rpc import Client, DaemonError
+        with Client(c.daemons[0].socket) as rpc, pytest.raises(DaemonError, match="unknown_engine"):
+            rpc.call(P.Hold("no-such-engine", 0, "r", 1.0))
+        blocks = c.prefill.call("prefill", 98, 20, 0.2)
+        assert c.prefill.call("wait_released", 98, 10) == ["expired", "expired"]
+        c.prefill.call("free", blocks)
+        yield c
+
+
+def metrics_url(c: Cluster, which: int) -> str:
+    return f"http://{c.status(which)['metrics']}"
+
+
+def test_metrics_pass_promtool_and_cover_peers(cluster):
+    for which in (0, 1):
+        status, body = fetch(metrics_url(cluster, which) + "/metrics")
+        assert status == 200
+        check = subprocess.run([tool("promtool"), "check", "metrics"], input=body, capture_output=True)
+        assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+    text = fetch(metrics_url(cluster, 1) + "/metrics")[1].decode()
+    # per decode rank: 6 prompts x 4 ranks
+    assert 'kvxferd_transfers_total{outcome="received",peer="prefill"} 24.0' in text
+    assert 'kvxferd_transfer_failures_total{peer="missing-engine",reason="handshake"} 4.0' in text
+    p_text = fetch(metrics_url(cluster, 0) + "/metrics")[1].decode()
+    assert 'kvxferd_holds_total{outcome="expired"} 2.0' in p_text
+    assert 'kvxferd_holds_total{outcome="sent"} 12.0' in p_text
+
+
+def test_health_endpoints(cluster):
+    base = metrics_url(cluster, 0)
+    assert fetch(base + "/healthz") == (200, b"ok\n")
+    assert fetch(base + "/readyz") == (200, b"ready\n")
+    assert fetch(base + "/nope")[0] == 404
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    dash = json.loads((DEPLOY / "grafana" / "kvxferd.json").read_text())
+    out = []
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            expr = (target["expr"].replace("$__rate_interval", "20s").replace("$__range", "5m")
+                    .replace('"$peer"', '".*"'))
+            out.append((panel["title"], expr))
+    return out
+
+
+def test_prometheus_scrapes_daemons_and_every_panel_returns_data(cluster, tmp_path):
+    targets = [cluster.status(i)["metrics"] for i in (0, 1)]
+    port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")],
+        "scrape_configs": [{"job_name": "kvxferd", "static_configs": [{"targets": targets}]}],
+    }))
+    prom = subprocess.Popen([tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # keep a little traffic flowing while samples accumulate
+            cluster.transfer(int(time.monotonic() * 1000) % 100000 + 1000, num_tokens=33)
+            try:
+                status, body = fetch(f"{api}/query?query=" + urllib.parse.quote("count(up == 1)"), 2)
+                if status == 200 and json.loads(body)["data"]["result"] and \
+                        json.loads(body)["data"]["result"][0]["value"][1] == "2" and \
+                        time.monotonic() > deadline - 50:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        time.sleep(3)
+        empty = []
+        for title, expr in _dashboard_queries():
+            status, body = fetch(f"{api}/query?query=" + urllib.parse.quote(expr))
+            reply = json.loads(body)
+            assert status == 200 and reply["status"] == "success", (title, expr, reply)
+            if not reply["data"]["result"]:
+                empty.append(title)
+        assert not empty, f"panels with no data: {empty}"
+        status, body = fetch(f"{api}/rules")
+        assert {r["name"] for g in json.loads(body)["data"]["groups"] for r in g["rules"]} >= {
+            "KvxferdDown", "KvxferdTransferFailureRatio", "KvxferdLeaseExpirations"}
+    finally:
+        prom.terminate()
+        prom.wait(10)
+
+
+def test_alert_rules_check_and_unit_tests():
+    rules = subprocess.run([tool("promtool"), "check", "rules", "alerts.yml"], cwd=DEPLOY / "prometheus",
+                           capture_output=True, text=True)
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    tests = subprocess.run([tool("promtool"), "test", "rules", "alerts_test.yml"], cwd=DEPLOY / "prometheus",
+                           capture_output=True, text=True)
+    assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+    scrape = subprocess.run([tool("promtool"), "check", "config", "--syntax-only", "scrape.yml"],
+                            cwd=DEPLOY / "prometheus", capture_output=True, text=True)
+    assert scrape.returncode == 0, scrape.stdout + scrape.stderr
+
+
+def test_systemd_unit_verifies(tmp_path):
+    unit = (DEPLOY / "systemd" / "kvxferd.service").read_text()
+    assert "Type=notify" in unit and "WatchdogSec=" in unit
+    # verify checks that ExecStart exists: point it at this machine's installed kvxferd
+    local = tmp_path / "kvxferd.service"
+    local.write_text(unit.replace("/usr/local/bin/kvxferd", tool("kvxferd")))
+    verify = subprocess.run([tool("systemd-analyze"), "verify", str(local)], capture_output=True, text=True)
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+    security = subprocess.run([tool("systemd-analyze"), "security", "--offline=yes",
+                               str(DEPLOY / "systemd" / "kvxferd.service")], capture_output=True, text=True)
+    assert "Overall exposure level for kvxferd.service" in security.stdout
+    level = float(security.stdout.split("Overall exposure level for kvxferd.service:")[1].split()[0])
+    assert level <= 2.0, security.stdout[-500:]
+
+
+def test_sd_notify_ready_and_watchdog(tmp_path):
+    """The daemon tells systemd READY=1 once its socket and side channel are up, then pings the watchdog."""
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")
+    proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--socket", str(tmp_path / "k.sock"),
+                             "--side-channel-port", "0", "--metrics-port", "-1"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first = sock.recv(4096).decode()
+        assert first.startswith("READY=1") and (tmp_path / "k.sock").exists()
+        assert sock.recv(4096).decode() == "WATCHDOG=1"
+        assert sock.recv(4096).decode() == "WATCHDOG=1"
+        proc.terminate()
+        assert sock.recv(4096).decode() == "STOPPING=1"
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        sock.close()
+
+
+def _render(values: dict) -> dict[str, list[dict]]:
+    import helm_python as helm
+
+    with helm.Chart.load(str(ROOT / "helm" / "kvxferd")) as chart:
+        rendered = chart.render(values, name="kx", namespace="inference")
+    return {name: [d for d in yaml.safe_load_all(text) if d] for name, text in rendered.items()}
+
+
+def test_helm_chart_lints_and_renders_valid_manifests():
+    import helm_python as helm
+    import kubernetes_validate
+
+    lint = helm.lint(str(ROOT / "helm" / "kvxferd"))
+    assert not lint["errors"] and all(m["severity"] < 2 for m in lint["messages"]), lint
+    version = kubernetes_validate.latest_version()
+    for mode in ("daemonset", "sidecar"):
+        docs = _render({"mode": mode, "serviceMonitor": {"enabled": True}, "dashboard": {"enabled": True},
+                        "config": {"allowedUids": [1000], "ucx": {"UCX_TLS": "rc,cuda_copy"}}})
+        kinds = {d["kind"] for ds in docs.values() for d in ds}
+        workload = "DaemonSet" if mode == "daemonset" else "Deployment"
+        assert {workload, "ConfigMap", "Service", "ServiceMonitor"} <= kinds
+        for ds in docs.values():
+            for d in ds:
+                if d["kind"] == "ServiceMonitor":  # a CRD: no schema offline, check its shape
+                    assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["spec"]["endpoints"][0]["port"] == "metrics"
+                    continue
+                kubernetes_validate.validate(d, version, strict=True)
+        config = next(d for d in docs["kvxferd/templates/configmap.yaml"])
+        parsed = tomllib.loads(config["data"]["kvxferd.toml"])
+        from kvxferd.config import load
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+            f.write(config["data"]["kvxferd.toml"])
+            f.flush()
+            cfg = load(f.name, env={})
+        assert cfg.allowed_uids == [1000] and cfg.ucx == {"UCX_TLS": "rc,cuda_copy"} and parsed["side_channel_port"] == 5600
+        pod = next(d for d in docs[f"kvxferd/templates/{'daemonset' if mode == 'daemonset' else 'sidecar'}.yaml"])
+        spec = pod["spec"]["template"]["spec"]
+        assert spec["hostIPC"] is True
+        if mode == "sidecar":
+            names = [c["name"] for c in spec["containers"]]
+            assert names == ["inference", "kvxferd"]
+            mounts = {c["name"]: [m["mountPath"] for m in c["volumeMounts"]] for c in spec["containers"]}
+            assert "/run/kvxferd" in mounts["inference"] and "/run/kvxferd" in mounts["kvxferd"]
+    dashboard = next(d for d in _render({"dashboard": {"enabled": True}})["kvxferd/templates/dashboard.yaml"])
+    assert json.loads(dashboard["data"]["kvxferd.json"]) == json.loads((DEPLOY / "grafana" / "kvxferd.json").read_text())
+
+
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run([tool("hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_status_cli_tables_json_and_no_daemon(cluster, tmp_path):
+    sock = cluster.daemons[1].socket
+    text = subprocess.run([tool("kvxferd"), "status", "--socket", sock], capture_output=True, text=True)
+    assert text.returncode == 0
+    assert "engines" in text.stdout and "decode" in text.stdout and "prefill" in text.stdout  # engine + peer
+    assert "missing-engine" in text.stdout  # the recent failure, with its reason
+    js = subprocess.run([tool("kvxferd"), "status", "--socket", sock, "--json"], capture_output=True, text=True)
+    st = json.loads(js.stdout)
+    assert len(st["engines"]) == 4 and st["peers"][0]["engine"] == "prefill" and st["counters"]["received"] >= 6
+    none = subprocess.run([tool("kvxferd"), "status", "--socket", str(tmp_path / "none.sock")],
+                          capture_output=True, text=True)
+    assert none.returncode == 2 and "no kvxferd daemon at" in none.stderr and "kvxferd serve" in none.stderr
+
+
+def test_failures_are_one_json_log_line(cluster):
+    log = Path(cluster.daemons[1].log.name).read_text().splitlines()
+    entries = [json.loads(line) for line in log if line.startswith("{")]
+    failures = [e for e in entries if e.get("request") == "d-99"]
+    assert sorted(f["rank"] for f in failures) == [0, 1, 2, 3]  # one line per failed rank request
+    for f in failures:
+        assert f["level"] == "warning" and f["peer"] == "missing-engine" and "not registered" in f["reason"]
