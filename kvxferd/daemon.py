@@ -170,6 +170,7 @@ class Daemon:
         self.started = time.time()
         self.ready = False
         self._wake = asyncio.Event()
+        self._last_post = 0.0
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ------------------------------------------------------------
@@ -634,6 +635,7 @@ class Daemon:
         if not t.handles:
             self._finish(t, "received")
         else:
+            self._last_post = time.monotonic()
             self._wake.set()
 
     def _fail(self, t: Transfer, kind: str, reason: str) -> None:
@@ -711,9 +713,14 @@ class Daemon:
 
     # --- polling --------------------------------------------------------------
     async def _poll_loop(self) -> None:
-        """Transfer states, notifications, quarantine: all on this loop, every poll interval."""
+        """Transfer states, notifications, quarantine: all on this loop.
+
+        Right after a READ is posted the loop spins (yielding to other tasks each turn) for
+        `spin_s`: most reads finish within tens of microseconds and a timer tick costs a
+        millisecond. Longer transfers are polled every `poll_interval_s`; an idle loop wakes
+        for notifications every 5 ms.
+        """
         while True:
-            busy = bool(self.transfers) or bool(self.quarantine)
             self._drain_notifications()
             now = time.monotonic()
             for t in list(self.transfers.values()):
@@ -721,8 +728,11 @@ class Daemon:
                     self._check_transfer(t, now)
             for t in list(self.quarantine):
                 self._check_quarantined(t)
-            if busy:
-                await asyncio.sleep(self.cfg.poll_interval_s)
+            if self.transfers or self.quarantine:
+                if now - self._last_post < self.cfg.spin_s:
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(self.cfg.poll_interval_s)
             else:
                 self._wake.clear()
                 try:
