@@ -99,6 +99,21 @@ def _plan_file(path: Path):
     return p_shape, d_shape, p_tp, d_tp
 
 
+keys_app = typer.Typer(help="CurveZMQ keys for the side channel.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAME.key and NAME.key_secret."),
+                  name: str = typer.Option("kvxferd")) -> None:
+    """Create a CurveZMQ keypair (set curve_secret_key_file / curve_authorized_keys_dir to use it)."""
+    from .handshake import generate_keys
+
+    public, secret = generate_keys(str(directory), name)
+    typer.echo(f"public key: {public}\nsecret key: {secret} (keep it private: mode 0600)")
+    Path(secret).chmod(0o600)
+
+
 @bench_app.command("plan")
 def bench_plan(
     as_json: bool = typer.Option(False, "--json"),
@@ -124,6 +139,10 @@ def serve(
     backend: Optional[list[str]] = typer.Option(None, "--backend", help="NIXL backend (repeatable)."),
     ucx: Optional[list[str]] = typer.Option(None, "--ucx", help="UCX option KEY=VALUE (repeatable)."),
     handshake_timeout: Optional[float] = typer.Option(None, "--handshake-timeout"),
+    curve_secret_key: Optional[str] = typer.Option(None, "--curve-secret-key", help="CurveZMQ keypair file."),
+    curve_authorized_keys: Optional[str] = typer.Option(None, "--curve-authorized-keys",
+                                                        help="Directory of peers' public keys."),
+    allowed_uid: Optional[list[int]] = typer.Option(None, "--allowed-uid", help="SO_PEERCRED allow-list."),
     name: Optional[str] = typer.Option(None, "--name", help="NIXL agent name prefix."),
     log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json."),
     log_level: Optional[str] = typer.Option(None, "--log-level"),
@@ -140,6 +159,8 @@ def serve(
                    side_channel_host=side_channel_host, side_channel_port=side_channel_port,
                    advertise_host=advertise_host, metrics_host=metrics_host, metrics_port=metrics_port,
                    backends=backend or None, handshake_timeout_s=handshake_timeout, name=name,
+                   curve_secret_key_file=curve_secret_key, curve_authorized_keys_dir=curve_authorized_keys,
+                   allowed_uids=allowed_uid or None,
                    ucx=dict(kv.split("=", 1) for kv in ucx) if ucx else None,
                    log_format=log_format, log_level=log_level)
     except (ConfigError, ValueError) as exc:

@@ -25,6 +25,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     metrics_port: int = 9410  # -1: no exporter; 0: pick a free port
     backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
+    curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
+    curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake
+    curve_server_key_file: str = ""  # public key peers' servers present; default: our own
     handshake_timeout_s: float = 5.0
     default_lease_s: float = 30.0
     max_lease_s: float = 600.0

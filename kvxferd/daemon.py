@@ -166,7 +166,7 @@ class Daemon:
         self.failures: deque = deque(maxlen=64)
         self.rates: deque = deque(maxlen=4096)  # (finish time, bytes) of recent reads
         self.counters = {"received": 0, "failed": 0, "sent": 0, "expired": 0, "unknown_notifs": 0,
-                         "handshakes": 0, "handshake_failures": 0}
+                         "handshakes": 0, "handshake_failures": 0, "unauthenticated_peers": 0}
         self.started = time.time()
         self.ready = False
         self._wake = asyncio.Event()
@@ -179,8 +179,14 @@ class Daemon:
             os.environ[key] = value
         self.nixl = NixlDriver(self.cfg.name, tuple(self.cfg.backends))
         self.zmq = zmq.asyncio.Context()
+        self.curve = None
+        if self.cfg.curve_secret_key_file:
+            self.curve = hs.load_curve(self.cfg.curve_secret_key_file,
+                                       self.cfg.curve_authorized_keys_dir or
+                                       os.path.dirname(self.cfg.curve_secret_key_file),
+                                       self.cfg.curve_server_key_file)
         self.hs_server = hs.HandshakeServer(self.zmq, self.cfg.side_channel_host, self.cfg.side_channel_port,
-                                            self._answer_handshake)
+                                            self._answer_handshake, self.curve)
         self.cfg = msgspec.structs.replace(self.cfg, side_channel_port=self.hs_server.port)
         group = None
         if self.cfg.socket_group:
@@ -189,6 +195,7 @@ class Daemon:
         self.unix_sock, accept = await serve_unix(self.cfg.socket_path, self._serve_connection,
                                                   self.cfg.socket_mode, self.cfg.max_frame_bytes, group)
         self._tasks += [accept, asyncio.create_task(self.hs_server.run()), asyncio.create_task(self._poll_loop()),
+                        asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer)),
                         asyncio.create_task(self._housekeeping())]
         self.http = None
         if self.cfg.metrics_port >= 0:
@@ -486,6 +493,12 @@ class Daemon:
         self.metrics.held_oldest.set(max((now - h.since for h in self.holds.values()), default=0))
 
     # --- handshake server -----------------------------------------------------
+    def _on_refused_peer(self, event: int) -> None:
+        self.counters["unauthenticated_peers"] += 1
+        self.metrics.handshakes_served.labels("unauthenticated").inc()
+        log.warning("side channel: refused a peer at the ZMTP handshake (event %d: no or wrong CurveZMQ key)",
+                    event)
+
     def _answer_handshake(self, req: hs.HandshakeRequest) -> hs.HandshakeReply:
         if req.version != hs.HANDSHAKE_VERSION:
             self.metrics.handshakes_served.labels("version").inc()
@@ -522,7 +535,18 @@ class Daemon:
     async def _start_read(self, t: Transfer, msg: P.Read) -> None:
         try:
             peer = await self._peer(msg.remote, t.deadline)
-            self._post(t, peer, msg)
+            try:
+                self._post(t, peer, msg)
+            except TransferError as exc:
+                if t.handles or t.done:
+                    raise
+                # Nothing posted: the peer likely restarted behind cached metadata. Forget it
+                # and try once more with a fresh handshake (a new agent, never the stale one).
+                self._retire_peer(peer, f"posting failed: {exc}")
+                peer.active -= 1
+                t.peer = None
+                self._cleanup_retired()
+                self._post(t, await self._peer(msg.remote, t.deadline), msg)
         except hs.HandshakeError as exc:
             self._fail(t, "handshake", str(exc))
         except (PlanError, GeometryError) as exc:
@@ -558,7 +582,7 @@ class Daemon:
         t0 = time.perf_counter()
         try:
             reply = await hs.request(self.zmq, ref.host, ref.port, ref.engine_id, self.cfg.handshake_timeout_s,
-                                     self.nixl.name)
+                                     self.nixl.name, self.curve)
             ranks = {r.tp_rank: r for r in reply.ranks}
             for r in ranks.values():
                 validate(r.geometry)
@@ -818,6 +842,7 @@ class Daemon:
         return {
             "version": __version__, "agent": self.nixl.name, "uptime_s": wall - self.started,
             "socket": self.cfg.socket_path, "side_channel": self.cfg.side_channel,
+            "side_channel_auth": "curve" if self.curve else "none",
             "metrics": f"{self.cfg.metrics_host}:{self.metrics_port}" if self.http else None,
             "engines": [{"engine": e.engine_id, "rank": e.tp_rank, "tp_size": e.tp_size, "model": e.geometry.model,
                          "bytes": e.nbytes, "memory": e.mappings[0].kind if e.mappings else "-",

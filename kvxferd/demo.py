@@ -87,10 +87,12 @@ class EngineProcess:
 class DaemonProcess:
     """`kvxferd serve` in its own process."""
 
-    def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: list[str] = ()) -> None:
+    def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: list[str] = (),
+                 side_channel_port: int = 0) -> None:
         self.socket = str(workdir / f"{name}.sock")
-        self.log = open(workdir / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket, "--side-channel-port", "0",
+        self.log = open(workdir / f"{name}.log", "a")
+        cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket,
+               "--side-channel-port", str(side_channel_port),
                "--metrics-port", str(metrics_port), "--name", name, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.name = name
@@ -109,6 +111,11 @@ class DaemonProcess:
             except (ConnectionError, OSError):
                 time.sleep(0.05)
         raise DemoError(f"daemon {self.name} not ready within {timeout:g} s; see {self.log.name}")
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to peers or engines."""
+        self.proc.kill()
+        self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

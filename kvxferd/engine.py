@@ -80,6 +80,7 @@ class SyntheticEngine:
         geo0 = self.ranks[0].geometry
         self.pool = list(range(min(g.num_blocks for g in geo0.groups)))
         self.pool.reverse()
+        self.reading: dict[int, tuple] = {}
 
     def _gpu_rank(self, geo: Geometry, client: EngineClient, device: str) -> Rank:
         """cuda-vmm: shareable VMM allocations passed as fds; cuda-ipc: torch tensors, IPC handles."""
@@ -131,9 +132,9 @@ class SyntheticEngine:
         return [self._wait(rank, f"req-{seq}", timeout_s).status for rank in self.ranks]
 
     # --- decode ---------------------------------------------------------------
-    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
-               deadline_s: float, remote_shape: ModelShape) -> dict:
-        """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
+    def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
+                  deadline_s: float) -> tuple:
+        """Allocate blocks, write the locally cached prefix, ask every rank's daemon to read the rest."""
         blocks = self.allocate(num_tokens)
         s = testing.Sequence(seq, num_tokens, blocks)
         geo0 = self.ranks[0].geometry
@@ -145,25 +146,42 @@ class SyntheticEngine:
                 testing.fill_sequence(bufs, rank.geometry, s, upto_block=hit)
             rank.upload()
         local = [list(b[h:]) for b, h in zip(blocks, hit)]
-        t0 = time.perf_counter()
         for rank in self.ranks:
             rank.client.read(f"d-{seq}", remote, num_tokens, local, remote_blocks, deadline_s)
-        results = [self._wait(rank, f"d-{seq}", deadline_s + 5) for rank in self.ranks]
+        self.reading[seq] = (s, hit, local)
+        return local
+
+    def wait_read(self, seq: int, timeout_s: float) -> list:
+        """Every rank's completion of a read (one each), as (status, block_ids, reason, nbytes)."""
+        return [(c.status, c.block_ids, c.reason, c.nbytes)
+                for c in (self._wait(rank, f"d-{seq}", timeout_s) for rank in self.ranks)]
+
+    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
+               deadline_s: float, remote_shape: ModelShape) -> dict:
+        """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
+        t0 = time.perf_counter()
+        local = self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s)
+        results = self.wait_read(seq, deadline_s + 5)
         latency = time.perf_counter() - t0
-        failed = [r for r in results if r.status != "received"]
+        s, hit, _ = self.reading.pop(seq)
+        failed = [r for r in results if r[0] != "received"]
         if failed:
-            self.free(blocks)
-            return {"status": "failed", "reason": failed[0].reason, "latency_s": latency, "bytes": 0,
-                    "block_ids": [r.block_ids for r in failed], "local_blocks": local}
+            self.free(s.blocks)
+            return {"status": "failed", "reason": failed[0][2], "latency_s": latency, "bytes": 0,
+                    "block_ids": [r[1] for r in failed], "local_blocks": local}
         chunks = self._chunk_tokens(remote_shape, remote.tp_size)
         for rank in self.ranks:
             rank.download()
             testing.expect_after_read(rank.shadow, rank.geometry, s, hit, chunks, in_place=True)
-            bad = _compare_blocks(rank.view, rank.shadow, rank.geometry, blocks)
+            bad = _compare_blocks(rank.view, rank.shadow, rank.geometry, s.blocks)
             if bad:
                 raise VerificationError(f"{self.engine_id} rank {rank.geometry.tp_rank} request d-{seq}: {bad}")
-        self.free(blocks)
-        return {"status": "received", "latency_s": latency, "bytes": sum(r.nbytes for r in results)}
+        self.free(s.blocks)
+        return {"status": "received", "latency_s": latency, "bytes": sum(r[3] for r in results)}
+
+    def pending(self) -> list[int]:
+        """Completions received but never waited for, per rank (duplicates would show here)."""
+        return [len(rank.pending) for rank in self.ranks]
 
     def _chunk_tokens(self, remote_shape: ModelShape, remote_tp: int) -> list[int]:
         """Per group, the transfer chunk (tokens): the smaller kernel page of the two sides."""

@@ -8,6 +8,8 @@ addresses. Payloads are msgspec msgpack (never pickle); every wait has a deadlin
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -74,13 +76,63 @@ def explain_mismatch(local: Geometry, remote: Geometry) -> str:
     return "compatibility hash mismatch; " + "; ".join(diffs)
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ identity of this daemon and the server key it expects from peers.
+
+    The simplest deployment shares one keypair across the cluster: every daemon presents it
+    and trusts it (`authorized_dir` holds its public half). Per-node keypairs work too: put
+    every node's public key in `authorized_dir` and give the servers' key as `server_public`.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+    authorized_dir: str
+
+
+def load_curve(secret_file: str, authorized_dir: str, server_key_file: str = "") -> CurveKeys:
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if not secret:
+        raise ValueError(f"{secret_file} holds no secret key")
+    if not Path(authorized_dir).is_dir():
+        raise ValueError(f"curve authorized keys directory {authorized_dir} does not exist")
+    server = zmq.auth.load_certificate(server_key_file)[0] if server_key_file else public
+    return CurveKeys(public, secret, server, authorized_dir)
+
+
+def generate_keys(directory: str, name: str = "kvxferd") -> tuple[str, str]:
+    """Write a keypair (`name.key` public, `name.key_secret`); returns both paths."""
+    import zmq.auth
+
+    Path(directory).mkdir(parents=True, exist_ok=True, mode=0o700)
+    return zmq.auth.create_certificates(directory, name)
+
+
 class HandshakeServer:
     """ROUTER socket answering handshake requests with `answer(request) -> reply`."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer,
+                 curve: CurveKeys | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small
+        self.auth = None
+        self.unauthenticated = 0
+        if curve is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self.auth = AsyncioAuthenticator(ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=curve.authorized_dir)
+            self.sock.curve_secretkey = curve.secret
+            self.sock.curve_publickey = curve.public
+            self.sock.curve_server = True
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -89,6 +141,15 @@ class HandshakeServer:
         self.host = host
         self.answer = answer
         self.bad_requests = 0
+
+    async def watch_auth(self, on_refused) -> None:
+        """Count peers refused at the ZMTP handshake (no or wrong CurveZMQ key)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            self.unauthenticated += 1
+            on_refused(event["event"])
 
     async def run(self) -> None:
         while True:
@@ -104,20 +165,29 @@ class HandshakeServer:
             await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        if self.auth is not None:
+            self.auth.stop()
         self.sock.close(0)
 
 
 async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str, timeout_s: float,
-                  requester: str = "") -> HandshakeReply:
+                  requester: str = "", curve: CurveKeys | None = None) -> HandshakeReply:
     """Ask the daemon at host:port for engine_id's ranks; raise HandshakeError on any failure."""
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    if curve is not None:
+        sock.curve_secretkey = curve.secret
+        sock.curve_publickey = curve.public
+        sock.curve_serverkey = curve.server_public
     try:
         sock.connect(f"tcp://{host}:{port}")
         await sock.send(_encoder.encode(HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester)))
         if not await sock.poll(timeout=int(timeout_s * 1000)):
-            raise HandshakeError("timeout", f"no handshake answer from {host}:{port} within {timeout_s:g} s")
+            raise HandshakeError("timeout", f"no handshake answer from {host}:{port} within {timeout_s:g} s "
+                                            "(peer down, unreachable, or refusing our CurveZMQ key)")
         try:
             reply = _reply_decoder.decode(await sock.recv())
         except msgspec.DecodeError as exc:

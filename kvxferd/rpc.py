@@ -139,6 +139,9 @@ async def serve_unix(path: str, handler: Handler, mode: int = 0o600, max_frame: 
     p = Path(path)
     if not p.parent.exists():
         p.parent.mkdir(parents=True, mode=0o700)
+    parent_mode = p.parent.stat().st_mode
+    if parent_mode & stat.S_IWOTH and not parent_mode & stat.S_ISVTX:
+        raise PermissionError(f"socket directory {p.parent} is world-writable: anyone could replace the socket")
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket")

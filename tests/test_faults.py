@@ -1,0 +1,197 @@
+"""Fault injection with real processes and real NIXL. For each fault: the affected requests
+end `failed` (with their block ids) or `expired` within the configured deadline, memory whose
+transfer outcome is unknown stays mapped, and the daemon serves the next valid request."""
+
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvxferd.client import RemoteRef
+from kvxferd.demo import Cluster, DaemonProcess, EngineProcess
+from kvxferd.models import PRESETS
+
+replace = msgspec.structs.replace
+SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
+BIG = replace(PRESETS["dense"], num_blocks=1024, layers=8, block_size=16)  # ~260 MB per prompt over 4 ranks
+SHAPE_BYTES = msgspec.msgpack.encode(SHAPE)
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def serves_next_request(c: Cluster, seq: int) -> None:
+    out = c.transfer(seq, num_tokens=37, hit_tokens=16)
+    assert out["status"] == "received" and out["released"] == ["sent"] * c.p_tp
+
+
+def read_outcome(c: Cluster, seq: int, num_tokens: int, deadline: float, remote=None, blocks=None):
+    """Post a read on every decode rank; return (elapsed, outcomes, local blocks).
+
+    Without `remote`, the prompt is prefilled first; otherwise `blocks` (or 64 made-up
+    block ids) stand for the prefill side's blocks.
+    """
+    if remote is None:
+        blocks = c.prefill.call("prefill", seq, num_tokens, 30.0)
+    elif blocks is None:
+        blocks = [list(range(64))]
+    t0 = time.monotonic()
+    local = c.decode.call("post_read", seq, num_tokens, remote or c.remote(seq), blocks, 0, deadline)
+    outcomes = c.decode.call("wait_read", seq, deadline + 10, timeout=deadline + 30)
+    return time.monotonic() - t0, outcomes, local
+
+
+def test_prefill_daemon_killed_mid_transfer_then_restarts_on_the_same_port():
+    with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
+        c.transfer(0, 64)  # handshake done, peer cached
+        blocks = c.prefill.call("prefill", 1, 16 * 900, 30.0)
+        c.decode.call("post_read", 1, 16 * 900, c.remote(1), blocks, 0, 5.0)
+        time.sleep(0.05)
+        c.daemons[0].kill()
+        c.prefill.proc.kill()
+        outcomes = c.decode.call("wait_read", 1, 20)
+        assert len(outcomes) == 4  # exactly one completion per decode rank
+        for status, block_ids, reason, _ in outcomes:
+            assert status in ("failed", "received")
+            if status == "failed":
+                assert block_ids and reason
+        failed = [o for o in outcomes if o[0] == "failed"]
+        assert failed, "the transfer finished before the kill; make the prompt larger"
+        # the prefill side comes back on the same port: cached metadata is stale and never reused
+        d = DaemonProcess(c.work, "prefill-daemon-2", side_channel_port=c.port, extra=["--ucx", "UCX_TLS=tcp"])
+        c.daemons.append(d)
+        c.prefill = EngineProcess(d.socket, "prefill", BIG, 2)
+        c.engines.append(c.prefill)
+        serves_next_request(c, 2)
+        assert c.status(1)["counters"]["handshakes"] == 2
+
+
+def test_prefill_engine_killed_while_holding():
+    with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "2"]) as c:
+        serves_next_request(c, 0)
+        blocks = c.prefill.call("prefill", 1, 40, 1.5)
+        c.prefill.proc.kill()
+        # the daemon keeps the dead engine's memory while a reader could still be using it ...
+        st = wait_for(lambda: [e for e in c.status(0)["engines"] if e["state"] == "closing"] and c.status(0),
+                      10, "engine marked closing")
+        assert st["held"] == []
+        # ... and lets it go once the lease has passed
+        wait_for(lambda: not c.status(0)["engines"], 15, "memory released after the lease")
+        elapsed, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
+        assert [o[0] for o in outcomes] == ["failed"] * 4
+        assert all("not registered" in o[2] for o in outcomes), outcomes
+        c.prefill = EngineProcess(c.daemons[0].socket, "prefill", SHAPE, 2)
+        c.engines.append(c.prefill)
+        serves_next_request(c, 2)
+
+
+def test_decode_engine_killed_mid_read():
+    with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
+        serves_next_request(c, 0)
+        blocks = c.prefill.call("prefill", 1, 16 * 900, 5.0)
+        c.decode.call("post_read", 1, 16 * 900, c.remote(1), blocks, 0, 30.0)
+        c.decode.proc.kill()
+        st = wait_for(lambda: (lambda s: s if not s["engines"] and not s["in_flight"] else None)(c.status(1)),
+                      30, "decode memory released after its transfers ended")
+        assert st["quarantined"] == 0
+        assert st["counters"]["failed"] + st["counters"]["received"] >= 4 + 4
+        # the prefill side is told: every rank's hold ends once (sent if the reads completed, else expired)
+        assert sorted(c.prefill.call("wait_released", 1, 15)) in (["sent", "sent"], ["expired", "expired"],
+                                                                   ["expired", "sent"])
+        c.prefill.call("free", blocks)
+        c.decode = EngineProcess(c.daemons[1].socket, "decode", BIG, 4)
+        c.engines.append(c.decode)
+        serves_next_request(c, 2)
+
+
+def test_peer_unreachable():
+    with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "1"]) as c:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]
+        elapsed, outcomes, local = read_outcome(c, 1, 40, 10.0, remote=RemoteRef("prefill", "127.0.0.1", dead_port, 2, "r"))
+        assert elapsed < 1 + 3
+        assert [o[0] for o in outcomes] == ["failed"] * 4
+        assert all(o[1] == local and "handshake" in o[2] for o in outcomes)
+        assert c.status(1)["counters"]["handshake_failures"] == 1  # one handshake shared by the 4 ranks
+        serves_next_request(c, 2)
+
+
+def test_handshake_answer_never_comes():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "1"]) as c:
+            elapsed, outcomes, _ = read_outcome(c, 1, 40, 10.0, remote=RemoteRef("prefill", "127.0.0.1", port, 2, "r"))
+            assert silent.poll(0), "the silent peer did receive the handshake request"
+            assert 1 <= elapsed < 4
+            assert all(o[0] == "failed" and "no handshake answer" in o[2] for o in outcomes)
+            serves_next_request(c, 2)
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_read_deadline_shorter_than_the_handshake():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "5"]) as c:
+            elapsed, outcomes, _ = read_outcome(c, 1, 40, 0.5, remote=RemoteRef("prefill", "127.0.0.1", port, 2, "r"))
+            assert elapsed < 2.5
+            assert all(o[0] == "failed" and "deadline" in o[2] for o in outcomes)
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_lost_notification_lease_expiry_frees_the_blocks():
+    with Cluster(SHAPE, 2, 4) as c:
+        blocks = c.prefill.call("prefill", 1, 40, 1.0)
+        wrong = RemoteRef("prefill", c.host, c.port, 2, "req-does-not-exist")  # notifications go nowhere
+        _, outcomes, _ = read_outcome(c, 1, 40, 5.0, remote=wrong, blocks=blocks)
+        assert [o[0] for o in outcomes] == ["received"] * 4
+        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
+        c.prefill.call("free", blocks)
+        st = c.status(0)
+        assert st["held"] == [] and st["counters"]["expired"] == 2
+        serves_next_request(c, 2)
+
+
+def test_compatibility_hash_mismatch_names_the_difference():
+    other = replace(SHAPE, head_dim=64)
+    with Cluster(SHAPE, 2, 4, p_shape=other) as c:
+        blocks = c.prefill.call("prefill", 1, 40, 2.0)
+        _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
+        assert all(o[0] == "failed" and o[1] == local for o in outcomes)
+        assert "compatibility hash mismatch" in outcomes[0][2] and "head_dim=128" in outcomes[0][2] \
+            and "head_dim=64" in outcomes[0][2]
+        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
+        c.prefill.call("free", blocks)
+
+
+def test_deadline_passes_mid_transfer_memory_quarantined():
+    with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
+        serves_next_request(c, 0)
+        blocks = c.prefill.call("prefill", 1, 16 * 900, 30.0)
+        _, outcomes, local = read_outcome(c, 1, 16 * 900, 0.01, remote=c.remote(1), blocks=blocks)
+        assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
+        st = c.status(1)
+        assert st["quarantined"] > 0  # NIXL cannot cancel: the reads still run, the memory stays
+        assert sum(e["pinned"] for e in st["engines"]) == st["quarantined"]  # each keeps its rank's memory
+        wait_for(lambda: c.status(1)["quarantined"] == 0, 60, "quarantined transfers to finish")
+        assert all(e["pinned"] == 0 for e in c.status(1)["engines"])
+        c.prefill.call("wait_released", 1, 30)
+        c.prefill.call("free", blocks)
+        serves_next_request(c, 2)
