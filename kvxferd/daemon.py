@@ -52,7 +52,7 @@ def decode_notif(data: bytes) -> tuple[str, int, str, int] | None:
         if prefix != NOTIF_PREFIX:
             return None
         return str(engine_id), int(rank), str(request_id), int(expected)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (*P.DECODE_ERRORS, ValueError, TypeError):
         return None
 
 
@@ -279,7 +279,7 @@ class Daemon:
             method = type(msg).__name__.lower()
             reply = await self._handle(conn, msg, owned)
             outcome = "ok"
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except P.DECODE_ERRORS as exc:
             reply, outcome = P.Error("bad_request", f"malformed request: {exc}"), "error"
         except RequestError as exc:
             reply, outcome = P.Error(exc.code, str(exc)), "error"
@@ -321,39 +321,39 @@ class Daemon:
         return er
 
     # --- registration ---------------------------------------------------------
-    def _register(self, conn: ServerConnection, msg: P.Register, owned: set) -> P.Msg:
-        n_fds = sum(1 for m in msg.memory if m.has_fd)
-        fds = conn.reader.take_fds(n_fds)
+    def _check_registration(self, msg: P.Register) -> Geometry:
+        if (msg.engine_id, msg.tp_rank) in self.engines:
+            raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
         try:
-            if (msg.engine_id, msg.tp_rank) in self.engines:
-                raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
-            try:
-                geo = validate(msg.geometry)
-            except GeometryError as exc:
-                raise RequestError("bad_request", f"invalid geometry: {exc}") from None
-            if (geo.tp_rank, geo.tp_size) != (msg.tp_rank, msg.tp_size):
-                raise RequestError("bad_request", f"geometry is for rank {geo.tp_rank}/{geo.tp_size}, "
-                                                  f"registration for {msg.tp_rank}/{msg.tp_size}")
-            if len(msg.memory) != len(geo.buffers):
-                raise RequestError("bad_request", f"{len(msg.memory)} memory handles for {len(geo.buffers)} buffers")
-            for i, (m, size) in enumerate(zip(msg.memory, geo.buffers)):
-                if m.nbytes < size:
-                    raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
-            mappings = []
-            try:
-                fd_iter = iter(fds)
-                for m in msg.memory:
-                    if m.kind == "shm":
-                        mappings.append(map_shm(next(fd_iter), m.nbytes))
-                    elif m.kind == "cuda_vmm":
-                        mappings.append(map_cuda_vmm(next(fd_iter), m.nbytes, m.device))
-                    else:
-                        mappings.append(map_cuda(m.cuda_handle, m.nbytes))
-                fds = []
-            except MappingError as exc:
-                for mp in mappings:
-                    mp.close()
-                raise RequestError("bad_request", str(exc)) from None
+            geo = validate(msg.geometry)
+        except GeometryError as exc:
+            raise RequestError("bad_request", f"invalid geometry: {exc}") from None
+        if (geo.tp_rank, geo.tp_size) != (msg.tp_rank, msg.tp_size):
+            raise RequestError("bad_request", f"geometry is for rank {geo.tp_rank}/{geo.tp_size}, "
+                                              f"registration for {msg.tp_rank}/{msg.tp_size}")
+        if len(msg.memory) != len(geo.buffers):
+            raise RequestError("bad_request", f"{len(msg.memory)} memory handles for {len(geo.buffers)} buffers")
+        for i, (m, size) in enumerate(zip(msg.memory, geo.buffers)):
+            if m.nbytes < size:
+                raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
+        return geo
+
+    def _register(self, conn: ServerConnection, msg: P.Register, owned: set) -> P.Msg:
+        fds = deque(conn.reader.take_fds(sum(1 for m in msg.memory if m.has_fd)))
+        mappings: list[Mapping] = []
+        try:
+            geo = self._check_registration(msg)
+            for m in msg.memory:  # each mapper owns (and closes) the fd it is given
+                if m.kind == "shm":
+                    mappings.append(map_shm(fds.popleft(), m.nbytes))
+                elif m.kind == "cuda_vmm":
+                    mappings.append(map_cuda_vmm(fds.popleft(), m.nbytes, m.device))
+                else:
+                    mappings.append(map_cuda(m.cuda_handle, m.nbytes))
+        except MappingError as exc:
+            for mp in mappings:
+                mp.close()
+            raise RequestError("bad_request", str(exc)) from None
         finally:
             for fd in fds:
                 os.close(fd)

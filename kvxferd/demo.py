@@ -88,8 +88,8 @@ class DaemonProcess:
     """`kvxferd serve` in its own process."""
 
     def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: list[str] = (),
-                 side_channel_port: int = 0) -> None:
-        self.socket = str(workdir / f"{name}.sock")
+                 side_channel_port: int = 0, socket: str | None = None) -> None:
+        self.socket = socket or str(workdir / f"{name}.sock")
         self.log = open(workdir / f"{name}.log", "a")
         cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket,
                "--side-channel-port", str(side_channel_port),
@@ -99,7 +99,7 @@ class DaemonProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        from .rpc import Client
+        from .rpc import Client, DaemonError
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -107,6 +107,8 @@ class DaemonProcess:
                 raise DemoError(f"daemon {self.name} exited with {self.proc.returncode}; see {self.log.name}")
             try:
                 Client(self.socket, 5).close()
+                return
+            except DaemonError:  # it answered (and refused us): it is up
                 return
             except (ConnectionError, OSError):
                 time.sleep(0.05)

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from .geometry import Geometry
+from .protocol import DECODE_ERRORS
 
 HANDSHAKE_VERSION = 1
 MAX_MESSAGE = 256 << 20
@@ -159,9 +160,11 @@ class HandshakeServer:
                 continue
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
-            except msgspec.DecodeError as exc:
+            except DECODE_ERRORS as exc:
                 self.bad_requests += 1
                 reply = HandshakeReply(False, f"malformed handshake request: {exc}")
+            except Exception as exc:  # the side channel must outlive any one request
+                reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")
             await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
 
     def close(self) -> None:
@@ -190,7 +193,7 @@ async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str
                                             "(peer down, unreachable, or refusing our CurveZMQ key)")
         try:
             reply = _reply_decoder.decode(await sock.recv())
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise HandshakeError("malformed", f"malformed handshake answer from {host}:{port}: {exc}") from None
     except zmq.ZMQError as exc:
         raise HandshakeError("unreachable", f"handshake with {host}:{port} failed: {exc}") from None

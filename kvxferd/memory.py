@@ -101,8 +101,10 @@ def map_cuda(handle: bytes, nbytes: int) -> Mapping:
 
 
 def _cu():
-    from cuda.bindings import driver as cu  # only here: the GPU path
-
+    try:
+        from cuda.bindings import driver as cu  # only here: the GPU path
+    except ImportError as exc:
+        raise MappingError(f"CUDA driver bindings are not available: {exc}") from None
     return cu
 
 

@@ -130,6 +130,9 @@ class Error(Msg, tag="error"):
 
 Reply = Union[Welcome, Registered, Ok, Completions, StatusReply, Error]
 
+# What decoding untrusted bytes may raise (msgspec reports bad UTF-8 as UnicodeDecodeError).
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,267 @@
+"""Bad input: fuzzed decoders and geometry validation (hypothesis), and a live daemon fed
+truncated, oversized, mistyped and out-of-range requests. Every case gets a clear error;
+the daemon stays up and serves the next valid request."""
+
+import os
+import socket
+import struct
+import tempfile
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvxferd import handshake as hs, protocol as P
+from kvxferd.demo import Cluster
+from kvxferd.descriptors import RequestBlocks, request_indices
+from kvxferd.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
+from kvxferd.memory import create_shm
+from kvxferd.models import PRESETS, build
+from kvxferd.planner import PlanError, plan_rank
+from kvxferd.rpc import Client, DaemonError, FrameError, FrameReader
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
+DECODE_ERRORS = P.DECODE_ERRORS
+
+# --- decoders ---------------------------------------------------------------
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20)
+ops = st.sampled_from(["hello", "register", "unregister", "hold", "read", "poll", "status", "bogus"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300))
+def test_request_decoder_random_bytes(data):
+    try:
+        P.request_decoder.decode(data)
+    except DECODE_ERRORS:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops, st.dictionaries(st.sampled_from(["engine_id", "tp_rank", "tp_size", "geometry", "memory",
+                                              "request_id", "lease_s", "remote", "num_tokens", "local_blocks",
+                                              "remote_blocks", "wait_s", "version", "x"]), msgpack_values))
+def test_request_decoder_wrong_types(op, fields):
+    try:
+        P.request_decoder.decode(msgspec.msgpack.encode({"op": op, **fields}))
+    except DECODE_ERRORS:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_notification_decoder_random_bytes(data):
+    from kvxferd.daemon import decode_notif
+    parsed = decode_notif(data)
+    assert parsed is None or len(parsed) == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_handshake_decoders_random_bytes(data):
+    for decoder in (hs._req_decoder, hs._reply_decoder):
+        try:
+            decoder.decode(data)
+        except DECODE_ERRORS:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 3))
+def test_frame_reader_any_chunking(chunks, cut):
+    reader = FrameReader(max_frame=64)
+    stream = b"".join(struct.pack(">I", len(c)) + c for c in chunks)
+    got = []
+    step = cut + 1
+    for i in range(0, len(stream), step):
+        got += reader.feed(stream[i:i + step])
+    assert got == [c for c in chunks]
+
+
+def test_frame_reader_refuses_oversized_frame():
+    with pytest.raises(FrameError, match="exceeds the 64 B limit"):
+        FrameReader(max_frame=64).feed(struct.pack(">I", 65) + b"x")
+
+
+# --- geometry validation ------------------------------------------------------
+
+small = st.integers(-4, 70)
+
+
+@st.composite
+def geometries(draw):
+    buffers = tuple(draw(st.lists(st.integers(-10, 4096), min_size=1, max_size=2)))
+    regions = tuple(Region(draw(st.integers(-1, 2)), draw(small), draw(st.integers(-10, 2048)))
+                    for _ in range(draw(st.integers(1, 3))))
+    groups = []
+    for gi in range(draw(st.integers(1, 2))):
+        segs = tuple(Segment(f"s{i}", draw(small), draw(small), draw(small), draw(small), draw(small), draw(small),
+                             draw(st.sampled_from(["unit_major", "token_major", "x"])))
+                     for i in range(draw(st.integers(1, 2))))
+        views = tuple(View(f"v{vi}", draw(st.integers(-1, 3)), draw(st.integers(-4, 512)), draw(small), segs)
+                      for vi in range(draw(st.integers(1, 2))))
+        groups.append(CacheGroup(f"g{gi}", draw(st.sampled_from([ATTENTION, STATE, "nope"])), draw(small),
+                                 draw(st.integers(-1, 4)), views))
+    return Geometry("m", "bf16", 1, draw(st.integers(-1, 1)), buffers, regions, tuple(groups))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(geometries(), st.lists(st.integers(-5, 80), max_size=6), st.integers(-5, 400))
+def test_geometry_validation_and_planning_never_crash(geo, blocks, num_tokens):
+    """Invalid geometries are refused with GeometryError; valid ones plan and index in bounds."""
+    try:
+        validate(geo)
+    except GeometryError:
+        return
+    try:
+        plan = plan_rank(geo, {0: geo})
+        ids = RequestBlocks.of(num_tokens, [blocks] * len(geo.groups), [blocks] * len(geo.groups))
+        for rank, (lids, rids) in request_indices(plan, ids).items():
+            peer = plan.peers[rank]
+            assert 0 <= lids.min() and lids.max() < peer.num_local_descs
+            assert 0 <= rids.min() and rids.max() < peer.num_remote_descs
+    except PlanError:
+        pass
+
+
+def test_geometry_errors_name_the_field():
+    geo = build(SHAPE, 1, 0)
+    bad = msgspec.structs.replace(geo, regions=(Region(0, 0, geo.buffers[0] * 2),) + geo.regions[1:])
+    with pytest.raises(GeometryError, match=r"region 0: \[0, \+\d+\) outside buffer 0"):
+        validate(bad)
+
+
+# --- a live daemon ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(SHAPE, 1, 2) as c:
+        yield c
+
+
+def raw(c: Cluster, payload: bytes, close: bool = True) -> bytes:
+    """Send raw bytes to the decode daemon; return what it answers before closing."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(c.daemons[1].socket)
+    s.sendall(payload)
+    if close:
+        s.shutdown(socket.SHUT_WR)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except socket.timeout:
+        pass
+    s.close()
+    return out
+
+
+def reply_of(data: bytes) -> P.Msg:
+    (n,) = struct.unpack(">I", data[:4])
+    return P.reply_decoder.decode(data[4:4 + n])
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def test_oversized_frame_is_refused_and_connection_closed(cluster):
+    reply = reply_of(raw(cluster, struct.pack(">I", 1 << 30) + b"xxxx", close=False))
+    assert isinstance(reply, P.Error) and reply.code == "bad_request" and "exceeds" in reply.message
+
+
+def test_truncated_frame_and_garbage(cluster):
+    assert raw(cluster, struct.pack(">I", 100) + b"only-ten-b") == b""  # nothing to answer, no crash
+    reply = reply_of(raw(cluster, frame(b"\xc1\xff\x00garbage")))
+    assert isinstance(reply, P.Error) and reply.code == "bad_request" and "malformed request" in reply.message
+    reply = reply_of(raw(cluster, frame(msgspec.msgpack.encode({"op": "read", "engine_id": 5}))))
+    assert isinstance(reply, P.Error) and "engine_id" in reply.message
+
+
+def call_error(c: Cluster, msg: P.Msg, fds=()) -> DaemonError:
+    with Client(c.daemons[1].socket) as client, pytest.raises(DaemonError) as err:
+        client.call(msg, list(fds))
+    return err.value
+
+
+def test_register_with_bad_geometry_or_memory(cluster):
+    geo = build(SHAPE, 2, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        huge = msgspec.structs.replace(geo, buffers=(1 << 50,))
+        e = call_error(cluster, P.Register("x", 0, 2, huge, [P.MemoryHandle("shm", 1 << 50)]), [os.dup(fd)])
+        assert e.code == "bad_request" and "shared memory fd holds" in str(e), str(e)
+        e = call_error(cluster, P.Register("x", 5, 2, geo, [P.MemoryHandle("shm", geo.buffers[0])]), [os.dup(fd)])
+        assert "geometry is for rank 0/2, registration for 5/2" in str(e)
+        e = call_error(cluster, P.Register("x", 0, 2, geo, [P.MemoryHandle("shm", geo.buffers[0])]))
+        assert "1 file descriptors, 0 arrived" in str(e)
+        e = call_error(cluster, P.Register("x", 0, 2, geo, [P.MemoryHandle("shm", 16)]), [os.dup(fd)])
+        assert "buffer 0: handle of 16 B" in str(e)
+        e = call_error(cluster, P.Register("decode", 0, 2, build(SHAPE, 2, 0),
+                                           [P.MemoryHandle("shm", geo.buffers[0])]), [os.dup(fd)])
+        assert "already registered" in str(e)
+    finally:
+        os.close(fd)
+        mm.close()
+
+
+def test_requests_for_unknown_engines_and_bad_values(cluster):
+    e = call_error(cluster, P.Hold("ghost", 0, "r"))
+    assert e.code == "unknown_engine"
+    e = call_error(cluster, P.Poll("decode", 7))
+    assert e.code == "unknown_engine" and "rank 7" in str(e)
+    remote = P.RemoteRef("prefill", cluster.host, cluster.port, 1, "r")
+    e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [[0]], [[0]], deadline_s=-1))
+    assert "deadline_s -1" in str(e)
+    e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [[0], [1]], [[0]]))
+    assert "block lists for 2/1 groups" in str(e)
+    e = call_error(cluster, P.Hello(99))
+    assert e.code == "version"
+
+
+def test_block_ids_out_of_range_fail_the_request(cluster):
+    blocks = cluster.prefill.call("prefill", 1, 20, 1.0)
+    cluster.decode.call("post_read", 1, 20, cluster.remote(1), [[1000, 1001]], 0, 5.0)
+    outcomes = cluster.decode.call("wait_read", 1, 10)
+    assert all(o[0] == "failed" and "remote block ids [1000, 1001] out of range" in o[2] for o in outcomes)
+    cluster.prefill.call("wait_released", 1, 10)
+    cluster.prefill.call("free", blocks)
+
+
+def test_handshake_garbage(cluster):
+    ctx = zmq.Context()
+    try:
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://{cluster.host}:{cluster.port}")
+        req.send(b"\xa3\xff\xfe\xfd")  # a msgpack string of invalid UTF-8
+        assert req.poll(5000)
+        reply = hs._reply_decoder.decode(req.recv())
+        assert not reply.ok and "malformed handshake request" in reply.reason
+        dealer = ctx.socket(zmq.DEALER)  # wrong envelope: ignored
+        dealer.connect(f"tcp://{cluster.host}:{cluster.port}")
+        dealer.send_multipart([b"a", b"b", b"c"])
+        req2 = ctx.socket(zmq.REQ)
+        req2.connect(f"tcp://{cluster.host}:{cluster.port}")
+        req2.send(msgspec.msgpack.encode(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "nobody")))
+        assert req2.poll(5000)
+        assert "not registered" in hs._reply_decoder.decode(req2.recv()).reason
+        for s in (req, dealer, req2):
+            s.close(0)
+    finally:
+        ctx.term()
+
+
+def test_daemon_still_serves_after_all_of_the_above(cluster):
+    for seq in range(10, 13):
+        out = cluster.transfer(seq, num_tokens=45, hit_tokens=16)
+        assert out["status"] == "received" and out["released"] == ["sent"]
+    assert cluster.daemons[1].proc.poll() is None and cluster.daemons[0].proc.poll() is None
