@@ -3,7 +3,7 @@
 import json
 import sys
 
-from kvxferd import bench_plan
+from kvxferd.benchmarks import plan as bench_plan
 
 rows = bench_plan.run()
 print(json.dumps(rows, indent=2) if "--json" in sys.argv else bench_plan.render(rows))

@@ -120,7 +120,7 @@ def bench_plan(
     blocks: int = typer.Option(64, help="Blocks per request for the index timing."),
 ) -> None:
     """Descriptor arrays and per-request indices for a 70B-class layout vs a list-of-tuples baseline."""
-    from . import bench_plan as bp
+    from .benchmarks import plan as bp
 
     rows = bp.run(blocks_per_request=blocks)
     typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))

@@ -135,6 +135,7 @@ class Transfer:
     local_blocks: list[list[int]]
     started: float
     deadline: float
+    received_at: float = 0.0  # perf_counter when the read RPC arrived
     handles: list = field(default_factory=list)  # (remote rank, nixl handle)
     nbytes: int = 0
     descriptors: int = 0
@@ -165,6 +166,9 @@ class Daemon:
         self.early_notifs: dict[tuple[str, int, str], tuple[int, int, float]] = {}
         self.failures: deque = deque(maxlen=64)
         self.rates: deque = deque(maxlen=4096)  # (finish time, bytes) of recent reads
+        self.lat_post: deque = deque(maxlen=8192)  # read RPC received -> READs posted, seconds
+        self.lat_complete: deque = deque(maxlen=8192)  # read RPC received -> completion queued
+        self._rpc_started = 0.0
         self.counters = {"received": 0, "failed": 0, "sent": 0, "expired": 0, "unknown_notifs": 0,
                          "handshakes": 0, "handshake_failures": 0, "unauthenticated_peers": 0}
         self.started = time.time()
@@ -272,7 +276,7 @@ class Daemon:
             pass
 
     async def _dispatch(self, conn: ServerConnection, data: bytes, owned: set) -> None:
-        t0 = time.perf_counter()
+        t0 = self._rpc_started = time.perf_counter()
         method = "unknown"
         try:
             msg = P.request_decoder.decode(data)
@@ -525,7 +529,8 @@ class Daemon:
             raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
                                               f"groups; the geometry has {len(er.geometry.groups)}")
         now = time.monotonic()
-        t = Transfer(er, msg.request_id, msg.remote.engine_id, None, msg.local_blocks, now, now + msg.deadline_s)
+        t = Transfer(er, msg.request_id, msg.remote.engine_id, None, msg.local_blocks, now, now + msg.deadline_s,
+                     received_at=self._rpc_started)
         self.transfers[key] = t
         er.pinned += 1
         self.metrics.inflight.set(len(self.transfers))
@@ -656,6 +661,9 @@ class Daemon:
                 self.nixl.notify(peer.agent, encode_notif(peer.engine_id, rank, msg.remote.request_id, expected))
             self.metrics.notifs_sent.inc()
         self.metrics.descriptors.labels(peer.label).observe(t.descriptors)
+        posted = time.perf_counter() - t.received_at
+        self.lat_post.append(posted)
+        self.metrics.read_post.observe(posted)
         if not t.handles:
             self._finish(t, "received")
         else:
@@ -682,6 +690,7 @@ class Daemon:
         self.metrics.transfer_seconds.labels(peer_label, status).observe(seconds)
         blocks = t.local_blocks if status == "failed" else []
         if status == "received":
+            self.lat_complete.append(time.perf_counter() - t.received_at)
             self.metrics.transfer_bytes.labels(peer_label).inc(t.nbytes)
             self.rates.append((time.time(), t.nbytes))
         else:
@@ -861,8 +870,17 @@ class Daemon:
             "recent": {"window_s": 10, "reads": len(recent), "bytes": sum(b for _, b in recent),
                        "bytes_per_s": sum(b for _, b in recent) / 10},
             "counters": dict(self.counters),
+            "latency_us": {"rpc_to_post": _percentiles(self.lat_post),
+                           "rpc_to_completion": _percentiles(self.lat_complete)},
             "failures": list(self.failures)[-16:],
         }
+
+
+def _percentiles(samples) -> dict:
+    if not samples:
+        return {"n": 0}
+    a = np.fromiter(samples, dtype=np.float64) * 1e6
+    return {"n": len(a), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
 def _bytes_of(pp, plan: RankPlan, lids: np.ndarray) -> int:

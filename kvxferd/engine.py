@@ -179,6 +179,10 @@ class SyntheticEngine:
         self.free(s.blocks)
         return {"status": "received", "latency_s": latency, "bytes": sum(r[3] for r in results)}
 
+    def drop(self, seq: int):
+        """Forget a read without verifying it (failed reads); returns its blocks for `free`."""
+        return self.reading.pop(seq)[0].blocks
+
     def pending(self) -> list[int]:
         """Completions received but never waited for, per rank (duplicates would show here)."""
         return [len(rank.pending) for rank in self.ranks]

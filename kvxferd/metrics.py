@@ -30,6 +30,8 @@ class Metrics:
         self.transfer_seconds = Histogram("kvxferd_transfer_duration_seconds",
                                           "Read call to completion, by peer and outcome", ["peer", "outcome"],
                                           buckets=_LATENCY, registry=r)
+        self.read_post = Histogram("kvxferd_read_post_seconds", "Read RPC received to READs posted",
+                                   buckets=_LATENCY, registry=r)
         self.descriptors = Histogram("kvxferd_transfer_descriptors", "Descriptors per read request", ["peer"],
                                      buckets=_DESCS, registry=r)
         self.handshakes = Counter("kvxferd_handshakes", "Handshakes with peer daemons, by outcome",

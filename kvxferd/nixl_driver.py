@@ -106,7 +106,10 @@ class NixlDriver:
 
     # --- notifications --------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
-        self.agent.send_notif(peer, message)
+        try:
+            self.agent.send_notif(peer, message)
+        except Exception as exc:
+            raise TransferError(f"notification to {peer} failed: {exc}") from exc
 
     def notifications(self) -> dict[str, list[bytes]]:
         return self.agent.get_new_notifs()

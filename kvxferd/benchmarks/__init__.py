@@ -1,0 +1,1 @@
+"""`kvxferd bench`: each benchmark measures kvxferd against a baseline taken in the same run."""

@@ -1,0 +1,144 @@
+"""`kvxferd bench data`: one descriptor workload moved three ways in one run.
+
+  kvxferd   engine -> RPC -> decode daemon -> NIXL READ from the prefill daemon's agent
+  raw NIXL  a reader process and a target process driving nixl._api directly
+  memcpy    one process copying the same bytes (this machine's physical limit)
+
+Workload per page size: one layer, K and V regions, `total_mib` per request in pages of that
+size (HND, one KV head whose page is exactly the page size), TP 1 -> 1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from ..client import RemoteRef
+from ..models import ModelShape, build
+from .harness import BenchEngine, daemons, median
+
+PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+
+
+def shape_for(page: int, blocks: int) -> ModelShape:
+    return ModelShape(layers=1, kv_heads=1, head_dim=page // 32, block_size=16, num_blocks=blocks)
+
+
+def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) -> None:
+    import mmap
+
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(f"raw-{role}", nixl_agent_config(backends=["UCX"]))
+    size = 2 * n * page
+    mm = mmap.mmap(-1, size)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    buf[:] = 0x5A
+    addr = buf.ctypes.data
+    agent.register_memory(agent.get_reg_descs([(addr, size, 0, "")], "DRAM"), "DRAM")
+    q_out.put((agent.get_agent_metadata(), addr))
+    meta, raddr = q_in.get()
+    if role != "reader":
+        results.get()  # stay alive (and registered) until the reader is done
+        return
+    peer = agent.add_remote_agent(meta)
+    offs = np.arange(2 * n, dtype=np.int64) * page
+    local = np.stack([addr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
+    remote = np.stack([raddr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, "DRAM"), "DRAM")
+    rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, "DRAM"), "DRAM")
+    idx = np.arange(2 * n, dtype=np.int32)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        while True:
+            try:
+                h = agent.make_prepped_xfer("READ", lh, idx, rh, idx, b"x")
+                agent.transfer(h)
+                break
+            except Exception:  # the connection may still be coming up on the first READ
+                time.sleep(0.01)
+        while agent.check_xfer_state(h) != "DONE":
+            pass
+        agent.release_xfer_handle(h)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    results.put(times)
+
+
+def raw_nixl(page: int, n: int, repeats: int) -> float:
+    ctx = mp.get_context("spawn")
+    a, b, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats))
+    target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats))
+    reader.start()
+    target.start()
+    times = results.get(timeout=300)
+    done.put(None)
+    reader.join(10)
+    target.join(10)
+    return median(times)
+
+
+def memcpy(nbytes: int, repeats: int) -> float:
+    src = np.full(nbytes, 0x5A, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> float:
+    shape = shape_for(page, n)
+    p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0))
+    d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0))
+    try:
+        host, port = p.side_channel.rsplit(":", 1)
+        blocks = [list(range(n))]
+        times = []
+        for i in range(repeats + 2):
+            remote = RemoteRef(f"p{page}", host, int(port), 1, f"r{i}")
+            t0 = time.perf_counter()
+            d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
+            c = d.wait(f"r{i}")
+            elapsed = time.perf_counter() - t0
+            assert c.status == "received", c
+            if i >= 2:  # the first reads include the handshake and descriptor preparation
+                times.append(elapsed)
+        return median(times)
+    finally:
+        d.close()
+        p.close()
+
+
+def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10) -> list[dict]:
+    rows = []
+    nbytes = total_mib << 20
+    with daemons(2) as (pd, dd):
+        for page in page_sizes:
+            n = nbytes // (2 * page)
+            k = through_kvxferd([pd.socket, dd.socket], page, n, repeats)
+            r = raw_nixl(page, n, repeats)
+            m = memcpy(nbytes, repeats)
+            rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib,
+                         "kvxferd_gb_s": nbytes / k / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
+                         "memcpy_gb_s": nbytes / m / 1e9, "kvxferd_over_raw": r / k})
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = [f"{'page':>8} {'descs':>7} {'kvxferd GB/s':>13} {'raw NIXL GB/s':>14} {'memcpy GB/s':>12} "
+             f"{'kvxferd/raw':>12}"]
+    for r in rows:
+        lines.append(f"{r['page_kib']:>5}KiB {r['descriptors']:>7} {r['kvxferd_gb_s']:>13.2f} "
+                     f"{r['raw_nixl_gb_s']:>14.2f} {r['memcpy_gb_s']:>12.2f} {r['kvxferd_over_raw']:>12.2f}")
+    return "\n".join(lines)
+
+
+__all__ = ["run", "render"]

@@ -1,0 +1,79 @@
+"""Shared pieces: daemons in their own processes, engines in this one (no verification in
+the timed path), and small statistics."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ..client import EngineClient
+from ..demo import DaemonProcess
+from ..geometry import Geometry
+from ..memory import create_shm
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@contextmanager
+def daemons(n: int = 2, extra: list[str] = ()):
+    with tempfile.TemporaryDirectory(prefix="kvxferd-bench-") as work:
+        procs = []
+        try:
+            for i in range(n):
+                procs.append(DaemonProcess(Path(work), f"daemon-{i}", extra=list(extra)))
+            yield procs
+        finally:
+            for p in procs:
+                p.stop()
+
+
+class BenchEngine:
+    """One engine rank registered with a daemon, its memory in this process."""
+
+    def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True) -> None:
+        self.geo = geo
+        fds, self.mmaps, self.views = [], [], []
+        for size in geo.buffers:
+            fd, mm = create_shm(size, engine_id)
+            fds.append(fd)
+            self.mmaps.append(mm)
+            view = np.frombuffer(mm, dtype=np.uint8)
+            if touch:
+                view[:] = 0x5A  # fault the pages in: measure copies, not page faults
+            self.views.append(view)
+        self.client = EngineClient(socket, engine_id, geo.tp_rank, geo.tp_size)
+        self.side_channel = self.client.register(geo, shm_fds=fds)
+        for fd in fds:
+            os.close(fd)
+        self.pending: dict[str, object] = {}
+
+    def wait(self, request_id: str, timeout: float = 60.0):
+        while request_id not in self.pending:
+            for c in self.client.poll(wait_s=min(timeout, 1.0)):
+                self.pending[c.request_id] = c
+        return self.pending.pop(request_id)
+
+    def close(self) -> None:
+        try:
+            self.client.unregister()
+        finally:
+            self.client.close()
+            self.views.clear()
+            for mm in self.mmaps:
+                mm.close()
