@@ -24,6 +24,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9410  # -1: no exporter; 0: pick a free port
     backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
+    # NIXL's own progress thread busy-polls (its Python API fixes the delay at 0) and takes a
+    # core; off, the daemon's loop progresses NIXL every time it polls.
+    nixl_progress_thread: bool = False
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake
@@ -34,6 +37,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_deadline_s: float = 600.0
     poll_interval_s: float = 0.0005  # transfer state polling once the spin window has passed
     spin_s: float = 0.002  # after a READ is posted, poll on every loop turn this long
+    idle_poll_s: float = 0.001  # idle loop: how often to progress NIXL and read notifications
     max_frame_bytes: int = 64 << 20
     log_format: str = "text"  # text or json
     log_level: str = "INFO"

@@ -181,7 +181,8 @@ class Daemon:
     async def start(self) -> None:
         for key, value in self.cfg.ucx.items():
             os.environ[key] = value
-        self.nixl = NixlDriver(self.cfg.name, tuple(self.cfg.backends))
+        self.nixl = NixlDriver(self.cfg.name, tuple(self.cfg.backends),
+                               progress_thread=self.cfg.nixl_progress_thread)
         self.zmq = zmq.asyncio.Context()
         self.curve = None
         if self.cfg.curve_secret_key_file:
@@ -273,7 +274,7 @@ class Daemon:
         try:
             await conn.send(P.encoder.encode(msg))
         except OSError:
-            pass
+            pass  # the engine went away; its connection handler cleans up
 
     async def _dispatch(self, conn: ServerConnection, data: bytes, owned: set) -> None:
         t0 = self._rpc_started = time.perf_counter()
@@ -534,6 +535,24 @@ class Daemon:
         self.transfers[key] = t
         er.pinned += 1
         self.metrics.inflight.set(len(self.transfers))
+        peer = self.peers.get((msg.remote.engine_id, msg.remote.host, msg.remote.port))
+        if peer is not None and peer.ready.done() and not peer.ready.exception() and not peer.broken \
+                and next(iter(peer.ranks.values())).tp_size == msg.remote.tp_size:
+            try:  # the common case: a known peer, post right here without a task or an await
+                self._post(t, peer, msg)
+                return P.Ok()
+            except TransferError as exc:
+                if t.handles or t.done:
+                    self._retire_peer(peer, str(exc))
+                    self._fail(t, "transfer", str(exc))
+                    return P.Ok()
+                self._retire_peer(peer, f"posting failed: {exc}")
+                peer.active -= 1
+                t.peer = None
+                self._cleanup_retired()
+            except (PlanError, GeometryError) as exc:
+                self._fail(t, "plan", str(exc))
+                return P.Ok()
         asyncio.get_running_loop().create_task(self._start_read(t, msg))
         return P.Ok()
 
@@ -751,7 +770,7 @@ class Daemon:
         Right after a READ is posted the loop spins (yielding to other tasks each turn) for
         `spin_s`: most reads finish within tens of microseconds and a timer tick costs a
         millisecond. Longer transfers are polled every `poll_interval_s`; an idle loop wakes
-        for notifications every 5 ms.
+        every `idle_poll_s` to progress NIXL (peers' reads and notifications need it).
         """
         while True:
             self._drain_notifications()
@@ -769,7 +788,7 @@ class Daemon:
             else:
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), 0.005)
+                    await asyncio.wait_for(self._wake.wait(), self.cfg.idle_poll_s)
                 except asyncio.TimeoutError:
                     pass
 

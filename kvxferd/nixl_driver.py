@@ -30,11 +30,11 @@ class Registration:
 
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
-                 telemetry: bool = True) -> None:
+                 telemetry: bool = True, progress_thread: bool = True) -> None:
         from nixl._api import nixl_agent, nixl_agent_config  # heavy import, kept local
 
         self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+        config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    capture_telemetry=telemetry, backends=list(backends))
         self.agent = nixl_agent(self.name, config)
         self.telemetry = telemetry

@@ -122,7 +122,13 @@ class ServerConnection:
             self.loop.remove_reader(self.sock.fileno())
 
     async def send(self, body: bytes) -> None:
-        await self.loop.sock_sendall(self.sock, frame(body))
+        data = frame(body)
+        try:  # replies are small: the socket buffer almost always takes them at once
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            await self.loop.sock_sendall(self.sock, data[sent:])
 
     def close(self) -> None:
         self._stop_reading()

@@ -1,0 +1,99 @@
+"""`kvxferd bench control`: requests/s and latency of the control path at 1, 16 and 256
+concurrent reads of 16 blocks (TP 1 -> 1, small pages so that the data plane is not the limit).
+
+Client latency: read call -> completion delivered to the engine. Daemon latency, measured
+inside the decode daemon: read RPC received -> READs posted, and -> completion queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..client import AsyncEngineClient, RemoteRef
+from ..models import ModelShape, build
+from .harness import BenchEngine, daemons, pct
+
+SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=8192)
+BLOCKS = 16
+
+
+async def _drive(socket: str, geo, remote_host: str, remote_port: int, concurrency: int, requests: int):
+    """`requests` reads, `concurrency` in flight; one connection posts, another streams completions."""
+    poster = await AsyncEngineClient.connect(socket, "d", 0, 1)
+    poller = await AsyncEngineClient.connect(socket, "d", 0, 1)
+    waiting: dict[str, asyncio.Future] = {}
+    latencies: list[float] = []
+
+    async def pump() -> None:
+        while True:
+            for c in await poller.poll(wait_s=1.0):
+                fut = waiting.pop(c.request_id, None)
+                if fut is not None:
+                    fut.set_result(c)
+
+    async def one(i: int, slot: int) -> None:
+        rid = f"c{concurrency}-{i}"
+        blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
+        fut = asyncio.get_running_loop().create_future()
+        waiting[rid] = fut
+        t0 = time.perf_counter()
+        await poster.read(rid, RemoteRef("p", remote_host, remote_port, 1, rid), BLOCKS * 16, blocks, blocks)
+        c = await fut
+        latencies.append(time.perf_counter() - t0)
+        assert c.status == "received", c
+
+    pump_task = asyncio.create_task(pump())
+    await one(-1, 0)  # handshake and plan outside the measurement
+    latencies.clear()
+    sem = asyncio.Semaphore(concurrency)
+    slots = list(range(concurrency))
+
+    async def guarded(i: int) -> None:
+        async with sem:
+            slot = slots.pop()
+            try:
+                await one(i, slot)
+            finally:
+                slots.append(slot)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(guarded(i) for i in range(requests)))
+    elapsed = time.perf_counter() - t0
+    pump_task.cancel()
+    poster.close()
+    poller.close()
+    return elapsed, latencies
+
+
+def run(levels=(1, 16, 256), requests: int = 2000) -> list[dict]:
+    rows = []
+    for concurrency in levels:
+        with daemons(2) as (pd, dd):
+            geo = build(SHAPE, 1, 0)
+            p = BenchEngine(pd.socket, "p", geo)
+            d = BenchEngine(dd.socket, "d", geo)
+            host, port = p.side_channel.rsplit(":", 1)
+            n = requests if concurrency > 1 else max(200, requests // 4)
+            elapsed, lat = asyncio.run(_drive(dd.socket, geo, host, int(port), concurrency, n))
+            daemon = d.client.status()["latency_us"]
+            rows.append({"concurrency": concurrency, "requests": n, "req_per_s": n / elapsed,
+                         "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
+                         "rpc_to_post_p50_us": daemon["rpc_to_post"]["p50"],
+                         "rpc_to_post_p99_us": daemon["rpc_to_post"]["p99"],
+                         "rpc_to_completion_p50_us": daemon["rpc_to_completion"]["p50"],
+                         "rpc_to_completion_p99_us": daemon["rpc_to_completion"]["p99"]})
+            d.close()
+            p.close()
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = [f"{'conc':>5} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} {'rpc->post p50/p99 us':>22} "
+             f"{'rpc->done p50/p99 us':>22}"]
+    for r in rows:
+        lines.append(f"{r['concurrency']:>5} {r['requests']:>6} {r['req_per_s']:>8.0f} "
+                     f"{r['client_p50_us']:>9.0f}/{r['client_p99_us']:<9.0f} "
+                     f"{r['rpc_to_post_p50_us']:>11.0f}/{r['rpc_to_post_p99_us']:<10.0f} "
+                     f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f}")
+    return "\n".join(lines)
