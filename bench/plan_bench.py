@@ -1,9 +1,8 @@
-"""Planner benchmark (same as `kvxferd bench plan`): python bench/plan_bench.py [--json]"""
+"""`kvxferd bench plan` as a script: python bench/plan_bench.py [--json]"""
 
-import json
 import sys
 
-from kvxferd.benchmarks import plan as bench_plan
+from kvxferd.cli import app
 
-rows = bench_plan.run()
-print(json.dumps(rows, indent=2) if "--json" in sys.argv else bench_plan.render(rows))
+if __name__ == "__main__":
+    app(["bench", "plan", *sys.argv[1:]], prog_name="kvxferd")

@@ -126,6 +126,50 @@ def bench_plan(
     typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))
 
 
+@bench_app.command("data")
+def bench_data(
+    as_json: bool = typer.Option(False, "--json"),
+    mib: int = typer.Option(64, help="MiB per request."),
+    repeats: int = typer.Option(10),
+) -> None:
+    """Throughput through kvxferd vs raw NIXL vs memcpy, pages of 4 KiB to 1 MiB."""
+    from .benchmarks import dataplane
+
+    rows = dataplane.run(total_mib=mib, repeats=repeats)
+    typer.echo(json.dumps(rows, indent=2) if as_json else dataplane.render(rows))
+
+
+@bench_app.command("control")
+def bench_control(
+    as_json: bool = typer.Option(False, "--json"),
+    requests: int = typer.Option(2000, help="Requests per concurrency level."),
+) -> None:
+    """Requests/s and latency at 1, 16 and 256 concurrent reads of 16 blocks."""
+    from .benchmarks import control
+
+    rows = control.run(requests=requests)
+    typer.echo(json.dumps(rows, indent=2) if as_json else control.render(rows))
+
+
+@bench_app.command("handshake")
+def bench_handshake(as_json: bool = typer.Option(False, "--json"), peers: int = typer.Option(5)) -> None:
+    """First request to a new peer, end to end, against the next one."""
+    from .benchmarks import handshake
+
+    rows = handshake.run(peers=peers)
+    typer.echo(json.dumps({"rows": rows, "median": handshake.summary(rows)}, indent=2) if as_json
+               else handshake.render(rows))
+
+
+@bench_app.command("footprint")
+def bench_footprint(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Daemon RSS idle and with a 70B-class layout registered and planned."""
+    from .benchmarks import footprint
+
+    result = footprint.run()
+    typer.echo(json.dumps(result, indent=2) if as_json else footprint.render(result))
+
+
 @app.command()
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file."),

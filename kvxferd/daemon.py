@@ -112,6 +112,7 @@ class Peer:
     agent: str = ""
     ranks: dict[int, hs.RankInfo] = field(default_factory=dict)
     since: float = 0.0
+    handshake_s: float = 0.0
     plans: dict[tuple[str, int], RankPlan] = field(default_factory=dict)
     links: dict[tuple[str, int, int], PeerLink] = field(default_factory=dict)
     active: int = 0  # transfers using this peer's lists
@@ -207,6 +208,7 @@ class Daemon:
             self.http = await serve_http(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port,
                                          lambda: self.ready)
             self.metrics_port = self.http.sockets[0].getsockname()[1]
+        _warm_up()
         self.notifier = SystemdNotifier()
         self.ready = True
         self.notifier.ready(f"serving {self.cfg.socket_path}, side channel {self.cfg.side_channel}")
@@ -611,7 +613,7 @@ class Daemon:
             for r in ranks.values():
                 validate(r.geometry)
             peer.agent = self.nixl.add_peer(reply.metadata)
-            peer.ranks, peer.since = ranks, time.time()
+            peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             self.counters["handshakes"] += 1
             self.metrics.handshakes.labels(peer.label, "ok").inc()
             self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
@@ -640,8 +642,11 @@ class Daemon:
             for r in wanted:
                 if peer.ranks[r].compat_hash != er.compat_hash:
                     raise PlanError(hs.explain_mismatch(er.geometry, peer.ranks[r].geometry))
+            t0 = time.perf_counter()
             plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})
             peer.plans[er.key] = plan
+            log.info("planned engine %s rank %d <- %s ranks %s in %.1f ms", er.engine_id, er.tp_rank,
+                     peer.engine_id, list(plan.peers), (time.perf_counter() - t0) * 1e3)
         return plan
 
     def _link(self, peer: Peer, er: EngineRank, plan: RankPlan, rank: int) -> PeerLink:
@@ -651,9 +656,13 @@ class Daemon:
             info, pp = peer.ranks[rank], plan.peers[rank]
             raddr = region_addresses(info.geometry, info.buffer_addrs)
             kind, dev = er.mappings[0].kind, er.mappings[0].device
+            t0 = time.perf_counter()
             link = PeerLink(self.nixl.prep_local(local_descs(pp, er.region_addr, dev), kind),
                             self.nixl.prep_remote(peer.agent, remote_descs(pp, raddr, info.device), info.mem_type))
             peer.links[key] = link
+            log.info("prepared %d local / %d remote descriptors for engine %s rank %d <- %s rank %d in %.1f ms",
+                     pp.num_local_descs, pp.num_remote_descs, er.engine_id, er.tp_rank, peer.engine_id, rank,
+                     (time.perf_counter() - t0) * 1e3)
         return link
 
     def _post(self, t: Transfer, peer: Peer, msg: P.Read) -> None:
@@ -877,7 +886,8 @@ class Daemon:
                          "state": "closing" if e.closing else "serving", "pinned": e.pinned,
                          "pending_completions": len(e.completions)} for e in self.engines.values()],
             "peers": [{"engine": p.engine_id, "address": p.address, "agent": p.agent,
-                       "handshake_age_s": wall - p.since if p.since else None, "plans": len(p.plans),
+                       "handshake_age_s": wall - p.since if p.since else None, "handshake_s": p.handshake_s,
+                       "plans": len(p.plans),
                        "ranks": sorted(p.ranks), "active": p.active} for p in self.peers.values()],
             "in_flight": [{"engine": t.engine.engine_id, "rank": t.engine.tp_rank, "request": t.request_id,
                            "peer": t.remote, "age_s": now - t.started}
@@ -893,6 +903,16 @@ class Daemon:
                            "rpc_to_completion": _percentiles(self.lat_complete)},
             "failures": list(self.failures)[-16:],
         }
+
+
+def _warm_up() -> None:
+    """Plan a tiny transfer once so that the first real request pays no lazy imports."""
+    from .models import ModelShape, build
+
+    geo = build(ModelShape(layers=1, kv_heads=2, head_dim=8, block_size=4, num_blocks=4), 1, 0)
+    plan = plan_rank(geo, {0: geo})
+    request_indices(plan, RequestBlocks.of(4, [[0]], [[0]]))
+    local_descs(plan.peers[0], region_addresses(geo, [0]))
 
 
 def _percentiles(samples) -> dict:
