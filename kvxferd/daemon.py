@@ -137,6 +137,7 @@ class Transfer:
     started: float
     deadline: float
     received_at: float = 0.0  # perf_counter when the read RPC arrived
+    posted_at: float = 0.0  # monotonic time the READs were posted
     handles: list = field(default_factory=list)  # (remote rank, nixl handle)
     nbytes: int = 0
     descriptors: int = 0
@@ -175,7 +176,7 @@ class Daemon:
         self.started = time.time()
         self.ready = False
         self._wake = asyncio.Event()
-        self._last_post = 0.0
+        self._rate = 2e9  # bytes/s of recent large reads: when to expect a read to end
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ------------------------------------------------------------
@@ -695,7 +696,7 @@ class Daemon:
         if not t.handles:
             self._finish(t, "received")
         else:
-            self._last_post = time.monotonic()
+            t.posted_at = time.monotonic()
             self._wake.set()
 
     def _fail(self, t: Transfer, kind: str, reason: str) -> None:
@@ -719,6 +720,8 @@ class Daemon:
         blocks = t.local_blocks if status == "failed" else []
         if status == "received":
             self.lat_complete.append(time.perf_counter() - t.received_at)
+            if t.nbytes >= 1 << 20 and now > t.posted_at:
+                self._rate = 0.8 * self._rate + 0.2 * (t.nbytes / (now - t.posted_at))
             self.metrics.transfer_bytes.labels(peer_label).inc(t.nbytes)
             self.rates.append((time.time(), t.nbytes))
         else:
@@ -776,10 +779,12 @@ class Daemon:
     async def _poll_loop(self) -> None:
         """Transfer states, notifications, quarantine: all on this loop.
 
-        Right after a READ is posted the loop spins (yielding to other tasks each turn) for
-        `spin_s`: most reads finish within tens of microseconds and a timer tick costs a
-        millisecond. Longer transfers are polled every `poll_interval_s`; an idle loop wakes
-        every `idle_poll_s` to progress NIXL (peers' reads and notifications need it).
+        A read is expected to end `nbytes / observed throughput` after it was posted. The loop
+        spins (yielding to other tasks each turn) within `spin_s` of a read's posting or of its
+        expected end, and otherwise sleeps until the next such window: small reads are seen
+        within microseconds, large ones within a spin of their end, and no core burns while
+        bytes are moving. Reads past their window are polled every `poll_interval_s`; an idle
+        loop wakes every `idle_poll_s` to progress NIXL (peers' reads and notifications need it).
         """
         while True:
             self._drain_notifications()
@@ -790,16 +795,26 @@ class Daemon:
             for t in list(self.quarantine):
                 self._check_quarantined(t)
             if self.transfers or self.quarantine:
-                if now - self._last_post < self.cfg.spin_s:
-                    await asyncio.sleep(0)
-                else:
-                    await asyncio.sleep(self.cfg.poll_interval_s)
+                await asyncio.sleep(self._next_poll(time.monotonic()))
             else:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.cfg.idle_poll_s)
                 except asyncio.TimeoutError:
                     pass
+
+    def _next_poll(self, now: float) -> float:
+        """Seconds to sleep before the next poll: 0 inside a spin window."""
+        spin, wait = self.cfg.spin_s, self.cfg.poll_interval_s
+        for t in self.transfers.values():
+            if not t.handles or t.done:
+                continue
+            for edge in (t.posted_at, t.posted_at + t.nbytes / self._rate):
+                if edge - spin <= now <= edge + spin:
+                    return 0.0
+                if edge - spin > now:
+                    wait = min(wait, edge - spin - now) if wait else edge - spin - now
+        return wait
 
     def _drain_notifications(self) -> None:
         try:

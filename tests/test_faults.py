@@ -188,8 +188,8 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         _, outcomes, local = read_outcome(c, 1, 16 * 900, 0.01, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
         st = c.status(1)
-        assert st["quarantined"] > 0  # NIXL cannot cancel: the reads still run, the memory stays
-        assert sum(e["pinned"] for e in st["engines"]) == st["quarantined"]  # each keeps its rank's memory
+        assert st["quarantined"] > 0, st  # NIXL cannot cancel: the reads still run, the memory stays
+        assert sum(e["pinned"] for e in st["engines"]) == st["quarantined"], st  # each keeps its rank's memory
         wait_for(lambda: c.status(1)["quarantined"] == 0, 60, "quarantined transfers to finish")
         assert all(e["pinned"] == 0 for e in c.status(1)["engines"])
         c.prefill.call("wait_released", 1, 30)

@@ -1,7 +1,9 @@
 """`kvxferd bench data`: one descriptor workload moved three ways in one run.
 
   kvxferd   engine -> RPC -> decode daemon -> NIXL READ from the prefill daemon's agent
-  raw NIXL  a reader process and a target process driving nixl._api directly
+  raw NIXL  a reader process and a target process driving nixl._api directly, configured as
+            kvxferd configures its agent (no NIXL progress thread; the target progresses
+            every millisecond, the reader busy-polls its transfer)
   memcpy    one process copying the same bytes (this machine's physical limit)
 
 Workload per page size: one layer, K and V regions, `total_mib` per request in pages of that
@@ -31,7 +33,7 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) 
 
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(f"raw-{role}", nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(f"raw-{role}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     size = 2 * n * page
     mm = mmap.mmap(-1, size)
     buf = np.frombuffer(mm, dtype=np.uint8)
@@ -41,8 +43,15 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) 
     q_out.put((agent.get_agent_metadata(), addr))
     meta, raddr = q_in.get()
     if role != "reader":
-        results.get()  # stay alive (and registered) until the reader is done
-        return
+        import queue
+
+        while True:  # progress like an idle daemon until the reader is done
+            agent.get_new_notifs()
+            try:
+                results.get(timeout=0.001)
+                return
+            except queue.Empty:
+                pass
     peer = agent.add_remote_agent(meta)
     offs = np.arange(2 * n, dtype=np.int64) * page
     local = np.stack([addr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
