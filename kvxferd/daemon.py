@@ -33,7 +33,7 @@ from .geometry import Geometry, GeometryError, validate
 from .memory import Mapping, MappingError, map_cuda, map_cuda_vmm, map_shm
 from .metrics import Metrics, serve_http
 from .nixl_driver import DONE, NixlDriver, TransferError
-from .planner import PlanError, RankPlan, consumers, plan_rank
+from .planner import PlanError, RankPlan, consumers, plan_rank, targets
 from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
 
@@ -199,8 +199,9 @@ class Daemon:
         if self.cfg.socket_group:
             import grp
             group = grp.getgrnam(self.cfg.socket_group).gr_gid
-        self.unix_sock, accept = await serve_unix(self.cfg.socket_path, self._serve_connection,
-                                                  self.cfg.socket_mode, self.cfg.max_frame_bytes, group)
+        self.unix_sock, accept = await serve_unix(self.cfg.socket_path, self._on_connect, self._on_frame,
+                                                  self._on_close, self.cfg.socket_mode, self.cfg.max_frame_bytes,
+                                                  group)
         self._tasks += [accept, asyncio.create_task(self.hs_server.run()), asyncio.create_task(self._poll_loop()),
                         asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer)),
                         asyncio.create_task(self._housekeeping())]
@@ -245,48 +246,34 @@ class Daemon:
         allowed = set(self.cfg.allowed_uids) or {os.getuid(), 0}
         return uid in allowed
 
-    async def _serve_connection(self, conn: ServerConnection) -> None:
+    def _on_connect(self, conn: ServerConnection) -> None:
         if not self._allowed(conn):
             self.metrics.rejected.labels("uid").inc()
             log.warning("refused engine connection from uid %d (pid %d): not in allowed_uids",
                         conn.credentials[1], conn.credentials[0])
-            await self._reply(conn, P.Error("forbidden", f"uid {conn.credentials[1]} may not use this daemon"))
-            conn.close()
-            return
-        owned: set[tuple[str, int]] = set()
-        try:
-            while True:
-                item = await conn.frames.get()
-                if item is None:
-                    break
-                if isinstance(item, FrameError):
-                    self.metrics.rpc.labels("frame", "error").inc()
-                    await self._reply(conn, P.Error("bad_request", str(item)))
-                    break
-                await self._dispatch(conn, item, owned)
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            for key in owned:
-                er = self.engines.get(key)
-                if er is not None and er.conn is conn:
-                    self._unregister(er, "engine disconnected")
-            conn.close()
+            conn.fail(RequestError("forbidden", f"uid {conn.credentials[1]} may not use this daemon"))
 
-    async def _reply(self, conn: ServerConnection, msg: P.Msg) -> None:
-        try:
-            await conn.send(P.encoder.encode(msg))
-        except OSError:
-            pass  # the engine went away; its connection handler cleans up
+    def _on_close(self, conn: ServerConnection) -> None:
+        for key in conn.owned:
+            er = self.engines.get(key)
+            if er is not None and er.conn is conn:
+                self._unregister(er, "engine disconnected")
 
-    async def _dispatch(self, conn: ServerConnection, data: bytes, owned: set) -> None:
+    def _on_frame(self, conn: ServerConnection, data: bytes | Exception):
+        """One request -> its encoded reply, or a coroutine producing it (waiting polls)."""
         t0 = self._rpc_started = time.perf_counter()
         method = "unknown"
         try:
+            if isinstance(data, Exception):
+                method = "frame"
+                raise data
             msg = P.request_decoder.decode(data)
             method = type(msg).__name__.lower()
-            reply = await self._handle(conn, msg, owned)
-            outcome = "ok"
+            if isinstance(msg, P.Poll) and msg.wait_s > 0:
+                er = self._engine(msg.engine_id, msg.tp_rank)
+                if not er.completions:
+                    return self._poll_later(er, msg, t0)
+            reply, outcome = self._handle(conn, msg), "ok"
         except P.DECODE_ERRORS as exc:
             reply, outcome = P.Error("bad_request", f"malformed request: {exc}"), "error"
         except RequestError as exc:
@@ -298,26 +285,37 @@ class Daemon:
             reply, outcome = P.Error("internal", f"{type(exc).__name__}: {exc}"), "error"
         self.metrics.rpc.labels(method, outcome).inc()
         self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
-        await self._reply(conn, reply)
+        return P.encoder.encode(reply)
 
-    async def _handle(self, conn: ServerConnection, msg: P.Msg, owned: set) -> P.Msg:
+    async def _poll_later(self, er: EngineRank, msg: P.Poll, t0: float) -> bytes:
+        """A long poll: wait up to wait_s (at most 60 s) for the first completion."""
+        er.wakeup.clear()
+        try:
+            await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
+        except asyncio.TimeoutError:
+            pass
+        self.metrics.rpc.labels("poll", "ok").inc()
+        self.metrics.rpc_seconds.labels("poll").observe(time.perf_counter() - t0)
+        return P.encoder.encode(self._take_completions(er, msg.max_items))
+
+    def _handle(self, conn: ServerConnection, msg: P.Msg) -> P.Msg:
         if isinstance(msg, P.Hello):
             if msg.version != P.PROTOCOL_VERSION:
                 raise RequestError("version", f"protocol version {msg.version} unsupported; "
                                               f"this daemon speaks {P.PROTOCOL_VERSION}")
             return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
         if isinstance(msg, P.Register):
-            return self._register(conn, msg, owned)
+            return self._register(conn, msg)
         if isinstance(msg, P.Unregister):
             self._unregister(self._engine(msg.engine_id, msg.tp_rank), "unregistered")
-            owned.discard((msg.engine_id, msg.tp_rank))
+            conn.owned.discard((msg.engine_id, msg.tp_rank))
             return P.Ok()
         if isinstance(msg, P.Hold):
             return self._hold(msg)
         if isinstance(msg, P.Read):
             return self._read(msg)
         if isinstance(msg, P.Poll):
-            return await self._poll(msg)
+            return self._take_completions(self._engine(msg.engine_id, msg.tp_rank), msg.max_items)
         if isinstance(msg, P.StatusQuery):
             return P.StatusReply(self.status())
         raise RequestError("bad_request", f"unexpected message {type(msg).__name__}")
@@ -346,7 +344,7 @@ class Daemon:
                 raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
         return geo
 
-    def _register(self, conn: ServerConnection, msg: P.Register, owned: set) -> P.Msg:
+    def _register(self, conn: ServerConnection, msg: P.Register) -> P.Msg:
         fds = deque(conn.reader.take_fds(sum(1 for m in msg.memory if m.has_fd)))
         mappings: list[Mapping] = []
         try:
@@ -379,7 +377,7 @@ class Daemon:
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
                         region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn)
         self.engines[er.key] = er
-        owned.add(er.key)
+        conn.owned.add(er.key)
         self._update_engine_gauges()
         log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
                  geo.model, er.nbytes)
@@ -542,17 +540,8 @@ class Daemon:
         if peer is not None and peer.ready.done() and not peer.ready.exception() and not peer.broken \
                 and next(iter(peer.ranks.values())).tp_size == msg.remote.tp_size:
             try:  # the common case: a known peer, post right here without a task or an await
-                self._post(t, peer, msg)
-                return P.Ok()
-            except TransferError as exc:
-                if t.handles or t.done:
-                    self._retire_peer(peer, str(exc))
-                    self._fail(t, "transfer", str(exc))
+                if self._post_or_retire(t, peer, msg):
                     return P.Ok()
-                self._retire_peer(peer, f"posting failed: {exc}")
-                peer.active -= 1
-                t.peer = None
-                self._cleanup_retired()
             except (PlanError, GeometryError) as exc:
                 self._fail(t, "plan", str(exc))
                 return P.Ok()
@@ -561,18 +550,7 @@ class Daemon:
 
     async def _start_read(self, t: Transfer, msg: P.Read) -> None:
         try:
-            peer = await self._peer(msg.remote, t.deadline)
-            try:
-                self._post(t, peer, msg)
-            except TransferError as exc:
-                if t.handles or t.done:
-                    raise
-                # Nothing posted: the peer likely restarted behind cached metadata. Forget it
-                # and try once more with a fresh handshake (a new agent, never the stale one).
-                self._retire_peer(peer, f"posting failed: {exc}")
-                peer.active -= 1
-                t.peer = None
-                self._cleanup_retired()
+            if not self._post_or_retire(t, await self._peer(msg.remote, t.deadline), msg):
                 self._post(t, await self._peer(msg.remote, t.deadline), msg)
         except hs.HandshakeError as exc:
             self._fail(t, "handshake", str(exc))
@@ -587,6 +565,24 @@ class Daemon:
         except Exception as exc:
             log.exception("read %s failed unexpectedly", t.request_id)
             self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _post_or_retire(self, t: Transfer, peer: Peer, msg: P.Read) -> bool:
+        """Post `t` on `peer`. False: nothing could be posted, most likely because the peer
+        restarted behind cached metadata; the peer is retired and the caller retries once on
+        a fresh handshake (a new agent, never the stale one)."""
+        try:
+            self._post(t, peer, msg)
+            return True
+        except TransferError as exc:
+            if t.handles or t.done:
+                self._retire_peer(peer, str(exc))
+                self._fail(t, "transfer", str(exc))
+                return True
+            self._retire_peer(peer, f"posting failed: {exc}")
+            peer.active -= 1
+            t.peer = None
+            self._cleanup_retired()
+            return False
 
     async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
         """The peer's handshake, done once and shared by every request waiting on it."""
@@ -635,7 +631,6 @@ class Daemon:
     def _plan(self, peer: Peer, er: EngineRank) -> RankPlan:
         plan = peer.plans.get(er.key)
         if plan is None:
-            from .planner import targets
             wanted = targets(er.tp_rank, er.tp_size, next(iter(peer.ranks.values())).tp_size)
             missing = [r for r in wanted if r not in peer.ranks]
             if missing:
@@ -875,16 +870,9 @@ class Daemon:
                 self._release_if_idle(er)
 
     # --- completions and status -----------------------------------------------
-    async def _poll(self, msg: P.Poll) -> P.Msg:
-        er = self._engine(msg.engine_id, msg.tp_rank)
-        if not er.completions and msg.wait_s > 0:
-            er.wakeup.clear()
-            try:
-                await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
-            except asyncio.TimeoutError:
-                pass
+    def _take_completions(self, er: EngineRank, max_items: int) -> P.Completions:
         items = []
-        while er.completions and len(items) < max(1, msg.max_items):
+        while er.completions and len(items) < max(1, max_items):
             items.append(er.completions.popleft())
         return P.Completions(items)
 

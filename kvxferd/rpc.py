@@ -16,9 +16,6 @@ import stat
 import struct
 from collections import deque
 from pathlib import Path
-from typing import Awaitable, Callable
-
-import msgspec
 
 from . import protocol as P
 
@@ -85,17 +82,28 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class ServerConnection:
-    """One engine connection on the daemon side (non-blocking socket on the event loop)."""
+    """One engine connection on the daemon side, served from the event loop's read callback.
 
-    def __init__(self, sock: socket.socket, max_frame: int) -> None:
+    Each complete frame goes to `on_frame(conn, frame)`, which returns the reply body, or a
+    coroutine producing it for the rare request that must wait (a long poll); frames that
+    arrive meanwhile wait their turn, so replies keep the order of requests. No task and no
+    queue stand between a request and its answer on the common path.
+    """
+
+    def __init__(self, sock: socket.socket, max_frame: int, on_frame, on_close) -> None:
         self.sock = sock
         self.reader = FrameReader(max_frame)
-        self.frames: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
         self.credentials = peer_credentials(sock)
         self.loop = asyncio.get_running_loop()
+        self.on_frame, self.on_close = on_frame, on_close
+        self.owned: set = set()  # what the daemon registered through this connection
+        self.backlog: deque[bytes] = deque()
+        self.busy = False  # an async reply is pending
+        self.out = b""  # reply bytes the socket did not take yet
+        self.closed = False
+        self._closing = False
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._readable)
-        self.closed = False
 
     def _readable(self) -> None:
         try:
@@ -107,41 +115,85 @@ class ServerConnection:
         try:
             if flags & socket.MSG_CTRUNC:
                 raise FrameError("file descriptors were truncated (too many in one frame)")
-            for f in self.reader.feed(data, anc):
-                self.frames.put_nowait(f)
+            self.backlog.extend(self.reader.feed(data, anc))
         except FrameError as exc:
-            self.frames.put_nowait(exc)
-            data = b""
+            self.backlog.clear()
+            self.fail(exc)
+            return
+        self._drain()
         if not data:
-            self._stop_reading()
-            self.frames.put_nowait(None)
+            self._shutdown()
 
-    def _stop_reading(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.loop.remove_reader(self.sock.fileno())
+    def _drain(self) -> None:
+        while self.backlog and not self.busy and not self.closed:
+            reply = self.on_frame(self, self.backlog.popleft())
+            if isinstance(reply, bytes):
+                self.write(reply)
+            else:
+                self.busy = True
+                self.loop.create_task(reply).add_done_callback(self._replied)
 
-    async def send(self, body: bytes) -> None:
+    def _replied(self, task: asyncio.Task) -> None:
+        self.busy = False
+        if not task.cancelled() and task.exception() is None and not self.closed:
+            self.write(task.result())
+        self._drain()
+        if self._closing:
+            self._shutdown()
+
+    def write(self, body: bytes) -> None:
+        """Queue one reply; the socket takes it now or when it becomes writable."""
+        if self.closed:
+            return
         data = frame(body)
-        try:  # replies are small: the socket buffer almost always takes them at once
+        if self.out:
+            self.out += data
+            return
+        try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
+        except OSError:
+            self._shutdown()
+            return
         if sent < len(data):
-            await self.loop.sock_sendall(self.sock, data[sent:])
+            self.out = data[sent:]
+            self.loop.add_writer(self.sock.fileno(), self._writable)
 
-    def close(self) -> None:
-        self._stop_reading()
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._shutdown()
+            return
+        self.out = self.out[sent:]
+        if not self.out:
+            self.loop.remove_writer(self.sock.fileno())
+
+    def fail(self, exc: Exception) -> None:
+        """A transport error: answer it (the caller encodes it) and close."""
+        self.write(self.on_frame(self, exc))
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """The peer is gone (or must go): stop reading; close once no reply is pending."""
+        self._closing = True
+        if self.busy or self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.sock.fileno())
+        if self.out:
+            self.loop.remove_writer(self.sock.fileno())
+        self.on_close(self)
         self.reader.close()
         self.sock.close()
 
 
-Handler = Callable[[ServerConnection], Awaitable[None]]
-
-
-async def serve_unix(path: str, handler: Handler, mode: int = 0o600, max_frame: int = P.MAX_FRAME,
+async def serve_unix(path: str, on_connect, on_frame, on_close, mode: int = 0o600, max_frame: int = P.MAX_FRAME,
                      group: int | None = None) -> tuple[socket.socket, asyncio.Task]:
-    """Listen on `path` (its directory made 0700 if we create it); run `handler` per connection."""
+    """Listen on `path` (its directory made 0700 if we create it); see ServerConnection."""
     p = Path(path)
     if not p.parent.exists():
         p.parent.mkdir(parents=True, mode=0o700)
@@ -162,12 +214,9 @@ async def serve_unix(path: str, handler: Handler, mode: int = 0o600, max_frame: 
     loop = asyncio.get_running_loop()
 
     async def accept_loop() -> None:
-        tasks: set[asyncio.Task] = set()
         while True:
             conn, _ = await loop.sock_accept(sock)
-            task = asyncio.create_task(handler(ServerConnection(conn, max_frame)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            on_connect(ServerConnection(conn, max_frame, on_frame, on_close))
 
     return sock, asyncio.create_task(accept_loop())
 
@@ -272,11 +321,3 @@ class AsyncClient:
     def close(self) -> None:
         self.sock.close()
 
-
-def decode_request(data: bytes) -> P.Msg:
-    """Decode one request frame; raises msgspec errors with a readable message."""
-    return P.request_decoder.decode(data)
-
-
-__all__ = ["Client", "AsyncClient", "DaemonError", "FrameError", "FrameReader", "serve_unix", "decode_request",
-           "msgspec"]

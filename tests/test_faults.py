@@ -15,7 +15,8 @@ from kvxferd.models import PRESETS
 
 replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
-BIG = replace(PRESETS["dense"], num_blocks=1024, layers=8, block_size=16)  # ~260 MB per prompt over 4 ranks
+BIG = replace(PRESETS["dense"], num_blocks=2048, layers=8, block_size=16)
+BIG_TOKENS = 16 * 1900  # ~1 GB per prompt over 4 ranks: long enough over TCP to be caught mid-transfer
 SHAPE_BYTES = msgspec.msgpack.encode(SHAPE)
 
 
@@ -53,9 +54,8 @@ def read_outcome(c: Cluster, seq: int, num_tokens: int, deadline: float, remote=
 def test_prefill_daemon_killed_mid_transfer_then_restarts_on_the_same_port():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         c.transfer(0, 64)  # handshake done, peer cached
-        blocks = c.prefill.call("prefill", 1, 16 * 900, 30.0)
-        c.decode.call("post_read", 1, 16 * 900, c.remote(1), blocks, 0, 5.0)
-        time.sleep(0.05)
+        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
+        c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 5.0)  # returns once posted
         c.daemons[0].kill()
         c.prefill.proc.kill()
         outcomes = c.decode.call("wait_read", 1, 20)
@@ -97,8 +97,8 @@ def test_prefill_engine_killed_while_holding():
 def test_decode_engine_killed_mid_read():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, 16 * 900, 5.0)
-        c.decode.call("post_read", 1, 16 * 900, c.remote(1), blocks, 0, 30.0)
+        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 5.0)
+        c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)
         c.decode.proc.kill()
         st = wait_for(lambda: (lambda s: s if not s["engines"] and not s["in_flight"] else None)(c.status(1)),
                       30, "decode memory released after its transfers ended")
@@ -126,34 +126,32 @@ def test_peer_unreachable():
         serves_next_request(c, 2)
 
 
-def test_handshake_answer_never_comes():
+@pytest.fixture
+def silent_peer():
+    """A ZMQ ROUTER that takes handshake requests and never answers."""
     ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "1"]) as c:
-            elapsed, outcomes, _ = read_outcome(c, 1, 40, 10.0, remote=RemoteRef("prefill", "127.0.0.1", port, 2, "r"))
-            assert silent.poll(0), "the silent peer did receive the handshake request"
-            assert 1 <= elapsed < 4
-            assert all(o[0] == "failed" and "no handshake answer" in o[2] for o in outcomes)
-            serves_next_request(c, 2)
-    finally:
-        silent.close(0)
-        ctx.term()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, RemoteRef("prefill", "127.0.0.1", port, 2, "r")
+    sock.close(0)
+    ctx.term()
 
 
-def test_read_deadline_shorter_than_the_handshake():
-    ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "5"]) as c:
-            elapsed, outcomes, _ = read_outcome(c, 1, 40, 0.5, remote=RemoteRef("prefill", "127.0.0.1", port, 2, "r"))
-            assert elapsed < 2.5
-            assert all(o[0] == "failed" and "deadline" in o[2] for o in outcomes)
-    finally:
-        silent.close(0)
-        ctx.term()
+def test_handshake_answer_never_comes(silent_peer):
+    sock, ref = silent_peer
+    with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "1"]) as c:
+        elapsed, outcomes, _ = read_outcome(c, 1, 40, 10.0, remote=ref)
+        assert sock.poll(0), "the silent peer did receive the handshake request"
+        assert 1 <= elapsed < 4
+        assert all(o[0] == "failed" and "no handshake answer" in o[2] for o in outcomes)
+        serves_next_request(c, 2)
+
+
+def test_read_deadline_shorter_than_the_handshake(silent_peer):
+    with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "5"]) as c:
+        elapsed, outcomes, _ = read_outcome(c, 1, 40, 0.5, remote=silent_peer[1])
+        assert elapsed < 2.5
+        assert all(o[0] == "failed" and "deadline" in o[2] for o in outcomes)
 
 
 def test_lost_notification_lease_expiry_frees_the_blocks():
@@ -184,8 +182,8 @@ def test_compatibility_hash_mismatch_names_the_difference():
 def test_deadline_passes_mid_transfer_memory_quarantined():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, 16 * 900, 30.0)
-        _, outcomes, local = read_outcome(c, 1, 16 * 900, 0.01, remote=c.remote(1), blocks=blocks)
+        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
+        _, outcomes, local = read_outcome(c, 1, BIG_TOKENS, 0.002, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
         st = c.status(1)
         assert st["quarantined"] > 0, st  # NIXL cannot cancel: the reads still run, the memory stays

@@ -77,7 +77,7 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) 
     results.put(times)
 
 
-def raw_nixl(page: int, n: int, repeats: int) -> float:
+def raw_nixl(page: int, n: int, repeats: int) -> list[float]:
     ctx = mp.get_context("spawn")
     a, b, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats))
@@ -88,7 +88,7 @@ def raw_nixl(page: int, n: int, repeats: int) -> float:
     done.put(None)
     reader.join(10)
     target.join(10)
-    return median(times)
+    return times
 
 
 def memcpy(nbytes: int, repeats: int) -> float:
@@ -103,7 +103,7 @@ def memcpy(nbytes: int, repeats: int) -> float:
     return median(times)
 
 
-def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> float:
+def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> list[float]:
     shape = shape_for(page, n)
     p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0))
     d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0))
@@ -120,20 +120,25 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> floa
             assert c.status == "received", c
             if i >= 2:  # the first reads include the handshake and descriptor preparation
                 times.append(elapsed)
-        return median(times)
+        return times
     finally:
         d.close()
         p.close()
 
 
-def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10) -> list[dict]:
+def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3) -> list[dict]:
+    """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
+    machine weighs on both alike."""
     rows = []
     nbytes = total_mib << 20
     with daemons(2) as (pd, dd):
         for page in page_sizes:
             n = nbytes // (2 * page)
-            k = through_kvxferd([pd.socket, dd.socket], page, n, repeats)
-            r = raw_nixl(page, n, repeats)
+            ks, rs = [], []
+            for _ in range(rounds):
+                ks += through_kvxferd([pd.socket, dd.socket], page, n, repeats)
+                rs += raw_nixl(page, n, repeats)
+            k, r = median(ks), median(rs)
             m = memcpy(nbytes, repeats)
             rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib,
                          "kvxferd_gb_s": nbytes / k / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
