@@ -131,11 +131,12 @@ def bench_data(
     as_json: bool = typer.Option(False, "--json"),
     mib: int = typer.Option(64, help="MiB per request."),
     repeats: int = typer.Option(10),
+    device: str = typer.Option("cpu", help="cpu (shared host memory) or cuda-vmm (GPU memory)."),
 ) -> None:
     """Throughput through kvxferd vs raw NIXL vs memcpy, pages of 4 KiB to 1 MiB."""
     from .benchmarks import dataplane
 
-    rows = dataplane.run(total_mib=mib, repeats=repeats)
+    rows = dataplane.run(total_mib=mib, repeats=repeats, device=device)
     typer.echo(json.dumps(rows, indent=2) if as_json else dataplane.render(rows))
 
 

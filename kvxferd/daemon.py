@@ -715,8 +715,6 @@ class Daemon:
         blocks = t.local_blocks if status == "failed" else []
         if status == "received":
             self.lat_complete.append(time.perf_counter() - t.received_at)
-            if t.nbytes >= 1 << 20 and now > t.posted_at:
-                self._rate = 0.8 * self._rate + 0.2 * (t.nbytes / (now - t.posted_at))
             self.metrics.transfer_bytes.labels(peer_label).inc(t.nbytes)
             self.rates.append((time.time(), t.nbytes))
         else:
@@ -830,11 +828,16 @@ class Daemon:
             self._fail(t, "transfer", str(exc))
             return
         if all(s == DONE for s in states):
+            xfer = 0.0
             for _, h in t.handles:
                 tele = self.nixl.telemetry_of(h)
                 if tele:
                     self.metrics.nixl_post.observe(tele[0])
                     self.metrics.nixl_xfer.observe(tele[1])
+                    xfer = max(xfer, tele[0] + tele[1])
+            if t.nbytes >= 1 << 20 and xfer > 0:
+                # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
+                self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / xfer)
             self._release_terminal(t)
             self._finish(t, "received")
         elif now >= t.deadline:

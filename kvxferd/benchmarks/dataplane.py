@@ -6,6 +6,9 @@
             every millisecond, the reader busy-polls its transfer)
   memcpy    one process copying the same bytes (this machine's physical limit)
 
+`--device cuda-vmm` moves GPU memory instead (engines' KV caches as CUDA VMM allocations; the
+copy baseline is a device-to-device cuMemcpy).
+
 Workload per page size: one layer, K and V regions, `total_mib` per request in pages of that
 size (HND, one KV head whose page is exactly the page size), TP 1 -> 1.
 """
@@ -28,18 +31,23 @@ def shape_for(page: int, blocks: int) -> ModelShape:
     return ModelShape(layers=1, kv_heads=1, head_dim=page // 32, block_size=16, num_blocks=blocks)
 
 
-def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) -> None:
+def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int, device: str) -> None:
     import mmap
 
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(f"raw-{role}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     size = 2 * n * page
-    mm = mmap.mmap(-1, size)
-    buf = np.frombuffer(mm, dtype=np.uint8)
-    buf[:] = 0x5A
-    addr = buf.ctypes.data
-    agent.register_memory(agent.get_reg_descs([(addr, size, 0, "")], "DRAM"), "DRAM")
+    if device == "cuda-vmm":
+        from ..memory import VmmBuffer
+        vmm = VmmBuffer(size)
+        addr, mem = vmm.address, "VRAM"
+    else:
+        mm = mmap.mmap(-1, size)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        buf[:] = 0x5A
+        addr, mem = buf.ctypes.data, "DRAM"
+    agent.register_memory(agent.get_reg_descs([(addr, size, 0, "")], mem), mem)
     q_out.put((agent.get_agent_metadata(), addr))
     meta, raddr = q_in.get()
     if role != "reader":
@@ -56,8 +64,8 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) 
     offs = np.arange(2 * n, dtype=np.int64) * page
     local = np.stack([addr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
     remote = np.stack([raddr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, "DRAM"), "DRAM")
-    rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, "DRAM"), "DRAM")
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, mem), mem)
+    rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, mem), mem)
     idx = np.arange(2 * n, dtype=np.int32)
     times = []
     for i in range(repeats + 2):
@@ -77,11 +85,11 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int) 
     results.put(times)
 
 
-def raw_nixl(page: int, n: int, repeats: int) -> list[float]:
+def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu") -> list[float]:
     ctx = mp.get_context("spawn")
     a, b, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats))
-    target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats))
+    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device))
+    target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
     reader.start()
     target.start()
     times = results.get(timeout=300)
@@ -91,7 +99,18 @@ def raw_nixl(page: int, n: int, repeats: int) -> list[float]:
     return times
 
 
-def memcpy(nbytes: int, repeats: int) -> float:
+def memcpy(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    if device == "cuda-vmm":  # device-to-device copy between two allocations
+        from ..memory import VmmBuffer, _check, _cu
+        cu = _cu()
+        src, dst = VmmBuffer(nbytes), VmmBuffer(nbytes)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _check(cu.cuMemcpyDtoD(dst.address, src.address, nbytes), "cuMemcpyDtoD")
+            _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            times.append(time.perf_counter() - t0)
+        return median(times)
     src = np.full(nbytes, 0x5A, dtype=np.uint8)
     dst = np.empty_like(src)
     dst[:] = 0
@@ -103,10 +122,10 @@ def memcpy(nbytes: int, repeats: int) -> float:
     return median(times)
 
 
-def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> list[float]:
+def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device: str = "cpu") -> list[float]:
     shape = shape_for(page, n)
-    p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0))
-    d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0))
+    p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0), device=device)
+    d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0), device=device)
     try:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
@@ -126,7 +145,8 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int) -> list
         p.close()
 
 
-def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3) -> list[dict]:
+def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3,
+        device: str = "cpu") -> list[dict]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on both alike."""
     rows = []
@@ -136,10 +156,10 @@ def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: i
             n = nbytes // (2 * page)
             ks, rs = [], []
             for _ in range(rounds):
-                ks += through_kvxferd([pd.socket, dd.socket], page, n, repeats)
-                rs += raw_nixl(page, n, repeats)
+                ks += through_kvxferd([pd.socket, dd.socket], page, n, repeats, device)
+                rs += raw_nixl(page, n, repeats, device)
             k, r = median(ks), median(rs)
-            m = memcpy(nbytes, repeats)
+            m = memcpy(nbytes, repeats, device)
             rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib,
                          "kvxferd_gb_s": nbytes / k / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
                          "memcpy_gb_s": nbytes / m / 1e9, "kvxferd_over_raw": r / k})

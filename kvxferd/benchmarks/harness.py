@@ -46,19 +46,27 @@ def daemons(n: int = 2, extra: list[str] = ()):
 class BenchEngine:
     """One engine rank registered with a daemon, its memory in this process."""
 
-    def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True) -> None:
+    def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True, device: str = "cpu") -> None:
         self.geo = geo
         fds, self.mmaps, self.views = [], [], []
-        for size in geo.buffers:
-            fd, mm = create_shm(size, engine_id)
-            fds.append(fd)
-            self.mmaps.append(mm)
-            view = np.frombuffer(mm, dtype=np.uint8)
-            if touch:
-                view[:] = 0x5A  # fault the pages in: measure copies, not page faults
-            self.views.append(view)
         self.client = EngineClient(socket, engine_id, geo.tp_rank, geo.tp_size)
-        self.side_channel = self.client.register(geo, shm_fds=fds)
+        if device == "cuda-vmm":  # device memory shared as CUDA VMM fds
+            from ..client import MemoryHandle
+            from ..memory import VmmBuffer
+            self.mmaps = [VmmBuffer(size) for size in geo.buffers]
+            fds = [b.export() for b in self.mmaps]
+            self.side_channel = self.client.register(
+                geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in self.mmaps], fds=fds)
+        else:
+            for size in geo.buffers:
+                fd, mm = create_shm(size, engine_id)
+                fds.append(fd)
+                self.mmaps.append(mm)
+                view = np.frombuffer(mm, dtype=np.uint8)
+                if touch:
+                    view[:] = 0x5A  # fault the pages in: measure copies, not page faults
+                self.views.append(view)
+            self.side_channel = self.client.register(geo, shm_fds=fds)
         for fd in fds:
             os.close(fd)
         self.pending: dict[str, object] = {}

@@ -1,0 +1,31 @@
+"""The benchmarks run end to end (tiny sizes). Their figures are not asserted here: speed is
+reported by `kvxferd bench` as ratios against baselines measured in the same run."""
+
+import msgspec
+
+from kvxferd.benchmarks import control, dataplane, handshake, plan
+from kvxferd.models import ModelShape
+
+
+def test_bench_data_runs():
+    (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=1)
+    assert row["descriptors"] == 128
+    assert all(row[k] > 0 for k in ("kvxferd_gb_s", "raw_nixl_gb_s", "memcpy_gb_s", "kvxferd_over_raw"))
+    assert "16KiB" in dataplane.render([row])
+
+
+def test_bench_control_runs():
+    (row,) = control.run(levels=(4,), requests=40)
+    assert row["requests"] == 40 and row["req_per_s"] > 0
+    assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
+
+
+def test_bench_handshake_runs():
+    rows = handshake.run(peers=1)
+    assert rows[0]["first_ms"] > 0 and rows[0]["handshake_ms"] > 0
+
+
+def test_bench_plan_runs():
+    shape = msgspec.structs.replace(plan.LLAMA70B, layers=2, num_blocks=500)
+    rows = plan.run(p_tps=(4,), shape=shape, blocks_per_request=8)
+    assert rows[0]["descriptors"] == 2 * 2 * 500 and rows[0]["speedup"] > 0
