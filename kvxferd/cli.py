@@ -276,8 +276,9 @@ def demo(
         typer.echo(json.dumps(s, indent=2))
     else:
         typer.echo(f"{s['received']}/{s['requests']} requests verified byte-exact ({s['prefix_hits']} partial "
-                   f"prefix hits), {s['bytes'] / 1e6:.1f} MB moved, {s['throughput_gb_s']:.2f} GB/s, "
-                   f"latency p50 {s['p50_ms']:.2f} ms p99 {s['p99_ms']:.2f} ms, prefill blocks released: "
+                   f"prefix hits), {s['bytes'] / 1e6:.1f} MB moved, {s['throughput_gb_s']:.2f} GB/s per request "
+                   f"once connected, latency p50 {s['p50_ms']:.2f} ms p99 {s['p99_ms']:.2f} ms (first request, "
+                   f"with the handshake: {s['first_request_ms']:.1f} ms), prefill blocks released: "
                    f"{s['prefill_released']}")
     if result.failed or result.received != requests:
         raise typer.Exit(1)

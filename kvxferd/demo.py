@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -139,12 +139,15 @@ class DemoResult:
     latencies: list[float]
     prefix_hits: int
     released: dict
+    sizes: list[int] = field(default_factory=list)  # bytes of each received request
 
     def summary(self) -> dict:
         lat = np.array(self.latencies or [0.0]) * 1000
+        warm_s, warm_b = sum(self.latencies[1:]), sum(self.sizes[1:])  # the first one pays the handshake
         return {"requests": self.requests, "received": self.received, "failed": self.failed,
                 "prefix_hits": self.prefix_hits, "bytes": self.bytes, "seconds": round(self.seconds, 3),
-                "throughput_gb_s": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
+                "first_request_ms": round(float(lat[0]), 3),
+                "throughput_gb_s": round(warm_b / warm_s / 1e9, 3) if warm_s else 0.0,
                 "p50_ms": round(float(np.percentile(lat, 50)), 3), "p99_ms": round(float(np.percentile(lat, 99)), 3),
                 "prefill_released": self.released}
 
@@ -232,6 +235,7 @@ def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens:
                 result.bytes += out["bytes"]
                 result.seconds += out["latency_s"]
                 result.latencies.append(out["latency_s"])
+                result.sizes.append(out["bytes"])
             else:
                 result.failed += 1
             for status in out["released"]:
