@@ -665,8 +665,9 @@ class Daemon:
         if t.done:
             return
         er = t.engine
-        if er.closing:
-            raise TransferError("engine unregistered before the read was posted")
+        if er.closing:  # unregistered while the handshake ran: nothing to post, the peer is fine
+            self._fail(t, "engine_gone", "engine unregistered before the read was posted")
+            return
         t.peer = peer
         peer.active += 1
         plan = self._plan(peer, er)
