@@ -59,7 +59,7 @@ def test_request_decoder_wrong_types(op, fields):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_notification_decoder_random_bytes(data):
-    from kvxferd.daemon import decode_notif
+    from kvxferd.state import decode_notif
     parsed = decode_notif(data)
     assert parsed is None or len(parsed) == 4
 
