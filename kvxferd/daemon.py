@@ -170,10 +170,11 @@ class Daemon(PrefillSide, DecodeSide):
     async def _poll_later(self, er: EngineRank, msg: P.Poll, t0: float) -> bytes:
         """A long poll: wait up to wait_s (at most 60 s) for the first completion."""
         er.wakeup.clear()
-        try:
-            await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
-        except asyncio.TimeoutError:
-            pass
+        if not er.completions:  # one may have arrived before this task first ran
+            try:
+                await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
+            except asyncio.TimeoutError:
+                pass
         self.metrics.rpc.labels("poll", "ok").inc()
         self.metrics.rpc_seconds.labels("poll").observe(time.perf_counter() - t0)
         return P.encoder.encode(self._take_completions(er, msg.max_items))
