@@ -238,12 +238,15 @@ class Client:
 
     def call(self, msg: P.Msg, fds: list[int] = (), timeout: float | None = None) -> P.Msg:
         body = frame(P.encoder.encode(msg))
-        if fds:
-            sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            if sent < len(body):
-                self.sock.sendall(body[sent:])
-        else:
-            self.sock.sendall(body)
+        try:
+            if fds:
+                sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                if sent < len(body):
+                    self.sock.sendall(body[sent:])
+            else:
+                self.sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon closed first; a refusal it sent before closing is still readable
         if timeout is not None:
             self.sock.settimeout(timeout)
         reply = self._recv()
@@ -301,11 +304,14 @@ class AsyncClient:
     async def call(self, msg: P.Msg, fds: list[int] = ()) -> P.Msg:
         body = frame(P.encoder.encode(msg))
         async with self._lock:
-            if fds:
-                sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                body = body[sent:]
-            if body:
-                await self.loop.sock_sendall(self.sock, body)
+            try:
+                if fds:
+                    sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                    body = body[sent:]
+                if body:
+                    await self.loop.sock_sendall(self.sock, body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon closed first; a refusal it sent before closing is still readable
             while True:
                 data = await self.loop.sock_recv(self.sock, 1 << 16)
                 if not data:
