@@ -286,12 +286,9 @@ class Daemon(PrefillSide, DecodeSide):
             return
         if self.engines.get(er.key) is er:
             del self.engines[er.key]
-        for link_owner in list(self.peers.values()) + self.retired_peers:
-            for k in [k for k in link_owner.links if k[:2] == er.key]:
-                link = link_owner.links.pop(k)
-                self.nixl.release_dlist(link.local)
-                self.nixl.release_dlist(link.remote)
-            link_owner.plans.pop(er.key, None)
+        for peer in list(self.peers.values()) + self.retired_peers:
+            self._release_links(peer, keep=lambda key: key[:2] != er.key)
+            peer.plans.pop(er.key, None)
         for reg in er.registrations:
             self.nixl.deregister(reg)
         for mp in er.mappings:

@@ -266,13 +266,17 @@ class DecodeSide:
         log.warning("peer %s at %s retired: %s", peer.label, peer.address, why)
         self._cleanup_retired()
 
+    def _release_links(self, peer: Peer, keep=lambda key: False) -> None:
+        """Release a peer's prepared descriptor lists (all, or those `keep` rejects)."""
+        for key in [k for k in peer.links if not keep(k)]:
+            link = peer.links.pop(key)
+            self.nixl.release_dlist(link.local)
+            self.nixl.release_dlist(link.remote)
+
     def _cleanup_retired(self) -> None:
         for peer in [p for p in self.retired_peers if p.active <= 0]:
             self.retired_peers.remove(peer)
-            for link in peer.links.values():
-                self.nixl.release_dlist(link.local)
-                self.nixl.release_dlist(link.remote)
-            peer.links.clear()
+            self._release_links(peer)
             if peer.agent:
                 try:
                     self.nixl.remove_peer(peer.agent)

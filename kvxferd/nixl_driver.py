@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,12 +19,6 @@ DONE, PENDING = "DONE", "PROC"
 
 class TransferError(RuntimeError):
     """NIXL reported a failed transfer (remote disconnect, backend error)."""
-
-
-@dataclass
-class Registration:
-    handle: object
-    nbytes: int
 
 
 class NixlDriver:
@@ -40,12 +33,13 @@ class NixlDriver:
         self.telemetry = telemetry
 
     # --- memory ---------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, mem_type: str = "DRAM", device: int = 0) -> Registration:
+    def register(self, addr: int, nbytes: int, mem_type: str = "DRAM", device: int = 0):
+        """Register one buffer; returns the handle `deregister` takes."""
         descs = self.agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
-        return Registration(self.agent.register_memory(descs, mem_type), nbytes)
+        return self.agent.register_memory(descs, mem_type)
 
-    def deregister(self, reg: Registration) -> None:
-        self.agent.deregister_memory(reg.handle)
+    def deregister(self, handle) -> None:
+        self.agent.deregister_memory(handle)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
