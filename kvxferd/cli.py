@@ -1,4 +1,4 @@
-"""The `kvxferd` command line: serve, status, plan, demo, bench."""
+"""The `kvxferd` command line: serve, status, plan, demo, bench, proxy."""
 
 from __future__ import annotations
 
@@ -244,6 +244,43 @@ def status(
         else:
             typer.echo(text)
             return
+
+
+@app.command()
+def proxy(
+    prefill: list[str] = typer.Option(..., "--prefill", help="Prefill vLLM server, e.g. http://10.0.0.1:8100 "
+                                      "(repeatable)."),
+    decode: list[str] = typer.Option(..., "--decode", help="Decode vLLM server (repeatable)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address clients connect to."),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVXFERD_PROXY_API_KEY",
+                                          help="Bearer key sent to the upstreams (default: forward the "
+                                               "client's Authorization header)."),
+    connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect to an upstream."),
+    read_timeout: float = typer.Option(600.0, "--read-timeout",
+                                       help="Longest silence from an upstream, in seconds (covers a long prefill)."),
+    health_timeout: float = typer.Option(2.0, "--health-timeout", help="Seconds per upstream /health check."),
+    log_format: str = typer.Option("text", "--log-format", help="text or json."),
+    log_level: str = typer.Option("info", "--log-level", help="debug logs every request with its timings."),
+) -> None:
+    """OpenAI-compatible router for disaggregated prefill/decode with vLLM: try P/D without writing one."""
+    try:
+        import aiohttp  # noqa: F401  (an optional extra: the daemon itself never needs it)
+    except ImportError:
+        fail("`kvxferd proxy` needs aiohttp: pip install 'kvxferd[proxy]'")
+    from . import logs
+    from .proxy import Router, run
+
+    try:
+        Router(prefill, decode)  # bad URLs fail here, before logging starts
+    except ValueError as exc:
+        fail(str(exc))
+    logs.setup(log_format, log_level)
+    try:
+        run(host, port, prefill, decode, api_key=api_key, connect_timeout=connect_timeout,
+            read_timeout=read_timeout, health_timeout=health_timeout)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc}")
 
 
 @app.command()
