@@ -21,6 +21,10 @@ Vocabulary (one for every model kind):
 
     page of a token-major (NHD) segment: | tok0: units... | tok1: units... | ...
 
+    page of a sealed unit-major segment: units back to back as above, but the bytes inside
+    a unit are the engine's own (vLLM's CPU backend keeps a head's K transposed and its V
+    after it): a unit moves whole, its tokens cannot be addressed one by one.
+
 A state segment (Mamba conv / SSM state) is a segment with one "token" per page.
 Nothing in this module does I/O; it crosses the wire as msgspec structs.
 """
@@ -33,6 +37,8 @@ import msgspec
 
 UNIT_MAJOR = "unit_major"
 TOKEN_MAJOR = "token_major"
+UNIT_SEALED = "unit_sealed"
+LAYOUTS = (UNIT_MAJOR, TOKEN_MAJOR, UNIT_SEALED)
 ATTENTION = "attention"
 STATE = "state"
 
@@ -49,7 +55,7 @@ class Segment(msgspec.Struct, frozen=True):
     unit_stop: int
     tokens: int  # tokens per page (1 for state segments)
     token_bytes: int  # bytes of one token of one unit
-    layout: Literal["unit_major", "token_major"] = UNIT_MAJOR
+    layout: Literal["unit_major", "token_major", "unit_sealed"] = UNIT_MAJOR
 
     @property
     def local_units(self) -> int:
@@ -151,7 +157,10 @@ def validate(geo: Geometry) -> Geometry:
                 raise GeometryError(f"{where}: region {v.region} does not exist")
             if v.page_stride <= 0 or v.num_pages <= 0:
                 raise GeometryError(f"{where}: page_stride and num_pages must be positive")
-            if v.page_stride * v.num_pages > geo.regions[v.region].length:
+            # The last page need only hold its segments: pages may be spaced wider than they are
+            # long (blocks-outermost layouts interleave other layers' pages between them).
+            extent = max((s.offset + s.nbytes for s in v.segments), default=0)
+            if (v.num_pages - 1) * v.page_stride + extent > geo.regions[v.region].length:
                 raise GeometryError(f"{where}: {v.num_pages} pages of {v.page_stride} B exceed the region")
             for s in v.segments:
                 _validate_segment(s, g, v, where)
@@ -165,7 +174,7 @@ def _validate_segment(s: Segment, g: CacheGroup, v: View, where: str) -> None:
     if s.token_bytes <= 0 or s.tokens != g.tokens_per_page:
         raise GeometryError(f"{where}: tokens {s.tokens} must equal the group's tokens per page "
                             f"{g.tokens_per_page}, token_bytes must be positive")
-    if s.layout not in (UNIT_MAJOR, TOKEN_MAJOR):
+    if s.layout not in LAYOUTS:
         raise GeometryError(f"{where}: unknown layout {s.layout!r}")
     if s.offset < 0 or s.offset + s.nbytes > v.page_stride:
         raise GeometryError(f"{where}: [{s.offset}, +{s.nbytes}) outside the {v.page_stride} B page")

@@ -27,7 +27,7 @@ from .geometry import (
     CacheGroup, Geometry, GeometryError, Region, Segment, View, shard, validate,
 )
 
-DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+from . import dtypes
 
 
 class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,14 +53,12 @@ class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def dtype_bytes(self) -> int:
-        try:
-            return DTYPE_BYTES[self.dtype]
-        except KeyError:
-            raise GeometryError(f"unknown dtype {self.dtype!r}; one of {sorted(DTYPE_BYTES)}") from None
+        return dtypes.itemsize(self.dtype)
 
     def identity(self) -> str:
         """A TP-independent name for the model: the fields of its kind, not per-engine choices."""
-        return self.kind + ":" + ",".join(f"{k}={getattr(self, k)}" for k in _IDENTITY[self.kind])
+        fields = {k: dtypes.canonical(self.dtype) if k == "dtype" else getattr(self, k) for k in _IDENTITY[self.kind]}
+        return self.kind + ":" + ",".join(f"{k}={v}" for k, v in fields.items())
 
 
 _ATTN = ("layers", "kv_heads", "head_dim", "dtype")
@@ -107,7 +105,7 @@ class _Layout:
         return len(self.regions) - 1
 
     def geometry(self, shape: ModelShape, tp_size: int, tp_rank: int, groups: list[CacheGroup]) -> Geometry:
-        return Geometry(model=shape.identity(), dtype=shape.dtype, tp_size=tp_size, tp_rank=tp_rank,
+        return Geometry(model=shape.identity(), dtype=dtypes.canonical(shape.dtype), tp_size=tp_size, tp_rank=tp_rank,
                         buffers=(self.size,), regions=tuple(self.regions), groups=tuple(groups))
 
 

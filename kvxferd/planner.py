@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .geometry import ATTENTION, TOKEN_MAJOR, CacheGroup, Geometry, Segment
+from .geometry import ATTENTION, TOKEN_MAJOR, UNIT_SEALED, CacheGroup, Geometry, Segment
 
 
 class PlanError(ValueError):
@@ -253,6 +253,15 @@ def _pieces(gi: int, key: str, lvi: int, rvi: int, seg: Segment, rseg: Segment,
         row = (stop - start) * tb
         return [Piece(gi, f"{key}[{start}:{stop}]", lvi, rvi, seg.offset, rseg.offset,
                       chunk * row, chunk * row, chunk * row)]
+    if UNIT_SEALED in (seg.layout, rseg.layout):
+        if seg.layout != rseg.layout:
+            raise PlanError(f"segment {key}: local layout {seg.layout}, remote {rseg.layout}; a sealed unit "
+                            "(tokens not addressable inside a head) pairs only with the same layout")
+        if not seg.tokens == rseg.tokens == chunk:
+            raise PlanError(f"segment {key}: block-size mismatch (local {seg.tokens}, remote {rseg.tokens} tokens "
+                            "per page) needs token-addressable pages, but this layout seals each head's tokens "
+                            "(vLLM's CPU backend stores a head's K transposed next to its V); run both engines "
+                            "with the same block size")
     local_at = seg.offset + (start - seg.unit_start) * seg.unit_bytes
     remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_bytes
     if seg.tokens == rseg.tokens == chunk:  # whole units: one piece for the run

@@ -1,0 +1,159 @@
+"""`KvxferdConnector`: vLLM's KV connector interface (v1) over a local kvxferd daemon.
+
+    --kv-transfer-config '{"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+                           "kv_connector_extra_config": {"socket": "/run/kvxferd/kvxferd.sock"}}'
+
+vLLM builds it twice: in the scheduler (SchedulerSide: requests -> holds and reads) and in
+every worker (WorkerSide: memory, RPCs, completions). This class only adapts vLLM's calls;
+options are in `ConnectorOptions` (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+from ..client import EngineClient
+from .handoff import Orders
+from .options import ConnectorOptions
+from .scheduler import SchedulerSide
+from .versions import check_vllm_version
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from .worker import WorkerSide
+
+log = logging.getLogger("kvxferd.vllm")
+
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class KvxferdMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, each step: the orders, msgpack-encoded (small, and safe to send anywhere)."""
+
+    def __init__(self, orders: Orders) -> None:
+        self.payload = msgspec.msgpack.encode(orders)
+
+    def orders(self) -> Orders:
+        return msgspec.msgpack.decode(self.payload, type=Orders)
+
+
+class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.options = ConnectorOptions.from_extra(tc.kv_connector_extra_config or {})
+        self.engine_id = str(tc.engine_id)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if role == KVConnectorRole.SCHEDULER:
+            block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups] \
+                if kv_cache_config is not None else [vllm_config.cache_config.block_size]
+            self.scheduler = SchedulerSide(self.engine_id, self.tp_size, block_sizes, self.options.lease_s,
+                                           self._side_channel)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from .worker import WorkerSide
+            self.worker = WorkerSide(self.options.socket, self.engine_id, get_tensor_model_parallel_rank(),
+                                     self.tp_size, self.options.read_deadline_s)
+        self._side: tuple[str, int] | None = None
+        self._load_errors: set[int] = set()
+
+    def _side_channel(self) -> tuple[str, int]:
+        """Where decode daemons handshake with ours: configured, or asked from the daemon once."""
+        if self._side is None:
+            address = self.options.side_channel
+            if not address:
+                with EngineClient(self.options.socket, self.engine_id, -1, self.tp_size, timeout=5.0) as client:
+                    address = client.status()["side_channel"]
+            host, _, port = address.rpartition(":")
+            self._side = (host, int(port))
+        return self._side
+
+    # --- scheduler ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return KvxferdMetadata(self.scheduler.take_orders())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.finished(request, block_ids, request.status in _COMPLETED)
+
+    # --- worker ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        from .registration import register_worker
+        register_worker(self.worker, self._vllm_config, self._kv_cache_config, kv_caches, self.options)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferdMetadata)
+        self.worker.start(meta.orders())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # reads are asynchronous: vLLM waits for finished_recving instead
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # the decode side pulls; nothing to push
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        done = self.worker.results()
+        self._load_errors = done.load_errors
+        # One cache group: vLLM maps failed block ids back to requests (kv_load_failure_policy).
+        # Several groups share block ids, so there a failed read is reported by request.
+        failed = done.failed if self.num_groups > 1 else set()
+        return KVConnectorTransferResults(done.sending, done.recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors if self.num_groups == 1 else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return "LBHNC"  # heads outermost inside a block: a head's K|V is one contiguous unit

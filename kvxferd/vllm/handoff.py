@@ -1,0 +1,120 @@
+"""The `kv_transfer_params` hand-off vLLM's P/D proxies use, and the orders the scheduler
+gives its workers. Pure: no vLLM, no I/O.
+
+    proxy -> P: {"do_remote_decode": true}            P computes the prompt, holds its blocks
+    P -> proxy: {"do_remote_prefill": true, "remote_engine_id", "remote_request_id",
+                 "remote_host", "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size"}
+    proxy -> D: those params verbatim                  D reads through its daemon
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..protocol import RemoteRef
+
+
+class HandoffError(ValueError):
+    """kv_transfer_params that cannot start a read; the message names the field."""
+
+
+class HoldOrder(msgspec.Struct, array_like=True):
+    """Prefill: hold a finished request's blocks until its consumers have read them."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    lease_s: float
+
+
+class ReadOrder(msgspec.Struct, array_like=True):
+    """Decode: read `remote.request_id` into `local_blocks` (the missing tail, per group).
+
+    A release is a read with no local blocks: the prefill daemon is only notified, so it frees
+    the blocks of a request the decode side computed itself (full hit) or dropped (abort).
+    """
+
+    request_id: str
+    remote: RemoteRef
+    num_tokens: int
+    local_blocks: list[list[int]]
+    remote_blocks: list[list[int]]
+
+    @property
+    def is_release(self) -> bool:
+        return not any(self.local_blocks)
+
+
+class Orders(msgspec.Struct, array_like=True):
+    """What the scheduler tells every worker in one step."""
+
+    holds: list[HoldOrder] = []
+    reads: list[ReadOrder] = []
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """What a decode request's kv_transfer_params say about its prefill."""
+
+    remote: RemoteRef
+    block_ids: tuple[tuple[int, ...], ...]  # per cache group, from the first prompt block
+    num_tokens: int  # prompt tokens whose KV the prefill computed; 0: unknown
+
+
+def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
+    """Read a decode request's params (as P sent them, through the proxy)."""
+    missing = [k for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+                           "remote_block_ids", "tp_size") if params.get(k) is None]
+    if missing:
+        raise HandoffError(f"kv_transfer_params lack {missing}")
+    try:
+        remote = RemoteRef(str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
+                           int(params["tp_size"]), str(params["remote_request_id"]))
+        blocks = params["remote_block_ids"]
+        if blocks and all(isinstance(b, int) for b in blocks):
+            blocks = [blocks]  # one cache group, sent flat
+        groups = tuple(tuple(int(b) for b in group) for group in blocks)
+        num_tokens = int(params.get("remote_num_tokens") or 0)
+    except (TypeError, ValueError) as exc:
+        raise HandoffError(f"kv_transfer_params malformed: {exc}") from None
+    if len(groups) != num_groups:
+        raise HandoffError(f"remote_block_ids name {len(groups)} cache groups, this engine has {num_groups}")
+    if not 0 < remote.port < 65536 or remote.tp_size < 1:
+        raise HandoffError(f"remote_port {remote.port} or tp_size {remote.tp_size} out of range")
+    return RemotePrefill(remote, groups, num_tokens)
+
+
+def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
+                   block_ids: list[list[int]], num_tokens: int) -> dict[str, Any]:
+    """The params P's response carries; the proxy hands them to D verbatim."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+            "remote_request_id": request_id, "remote_host": host, "remote_port": port,
+            "remote_block_ids": block_ids, "remote_num_tokens": num_tokens, "tp_size": tp_size,
+            "transfer_mode": "pull"}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def read_order(request_id: str, prefill: RemotePrefill, block_sizes: list[int], local_block_ids: list[list[int]],
+               num_tokens: int, num_computed: int) -> ReadOrder:
+    """Read tokens [num_computed, num_tokens) into this request's blocks.
+
+    `local_block_ids` are all of the request's blocks per group (from token 0);
+    `num_computed` (a multiple of every block size) is what the local prefix cache holds.
+    Remote lists go from the first prompt block up to the one holding token num_tokens-1.
+    Lists that do not fit the token count are passed as they are: the daemon refuses such a
+    read with a reason, and the read ends failed with its blocks, like any other.
+    """
+    local, remote = [], []
+    for bs, ids, rids in zip(block_sizes, local_block_ids, prefill.block_ids):
+        end = cdiv(num_tokens, bs)
+        local.append(list(ids[num_computed // bs:end]))
+        remote.append(list(rids[:end]))
+    return ReadOrder(request_id, prefill.remote, num_tokens, local, remote)
+
+
+def release_order(request_id: str, prefill: RemotePrefill) -> ReadOrder:
+    groups = [[] for _ in prefill.block_ids]
+    return ReadOrder(request_id, prefill.remote, prefill.num_tokens, groups, [[] for _ in groups])

@@ -1,0 +1,120 @@
+"""Move vLLM's KV cache, once, into memory the daemon can map: re-point, never copy per request.
+
+vLLM allocates each backing buffer privately (`torch.zeros` on CPU, the caching allocator
+on GPU) and views it per layer. At `register_kv_caches`, before any request has written KV,
+every tensor that views a backing buffer is re-pointed in place (`Tensor.set_`, same offset,
+shape and strides) at a shareable allocation holding the same bytes:
+
+    CPU:  memfd (MAP_SHARED)             --fd over SCM_RIGHTS--> daemon mmaps the same pages
+    GPU:  CUDA VMM, POSIX-fd handle      --fd over SCM_RIGHTS--> daemon imports and maps it
+
+The old buffer is freed when its last view is re-pointed. The tensors found are the ones vLLM
+handed the connector, the attention layers' bound caches, and any other live tensor on the
+same storage (found by a one-time scan), so no view keeps reading the private copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+log = logging.getLogger("kvxferd.vllm")
+
+
+@dataclass
+class SharedBuffer:
+    """One backing allocation, now shareable. `fd` stays open for re-registration."""
+
+    fd: int
+    nbytes: int
+    address: int
+    kind: str  # "shm" or "cuda_vmm"
+    device: int = 0
+    keep: list[Any] = field(default_factory=list)  # mmap / VMM buffer owning the memory
+
+    def close(self) -> None:
+        """Close the fd; the memory stays mapped for as long as the engine's tensors live."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[SharedBuffer], dict[str, tuple[int, int]]]:
+    """Re-point every view of the caches' backing storages at shareable memory.
+
+    Returns the shared buffers and, per layer, (buffer index, byte offset of the layer's
+    first element in that buffer).
+    """
+    import torch  # the worker already has it: this runs inside vLLM
+
+    storages: dict[int, Any] = {}
+    for t in kv_caches.values():
+        st = t.untyped_storage()
+        storages.setdefault(st.data_ptr(), st)
+    views = _views_of(storages, list(kv_caches.values()) + list(also))
+    buffers: list[SharedBuffer] = []
+    for ptr, st in storages.items():
+        buf = _allocate(st.nbytes(), st.device)
+        new_storage = buf.keep[-1]
+        old = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+        torch.empty(0, dtype=torch.uint8, device=st.device).set_(new_storage).copy_(old)
+        del old
+        for t in views[ptr]:
+            t.set_(new_storage, t.storage_offset(), t.size(), t.stride())
+        buffers.append(buf)
+        log.info("KV cache buffer of %d B moved to %s (%d views re-pointed)", buf.nbytes, buf.kind, len(views[ptr]))
+    index = {b.address: i for i, b in enumerate(buffers)}
+    layers = {name: (index[t.untyped_storage().data_ptr()], t.storage_offset() * t.element_size())
+              for name, t in kv_caches.items()}
+    return buffers, layers
+
+
+def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]]:
+    """Every live tensor on one of `storages`, each once: the known ones and a one-time gc scan."""
+    import torch
+
+    found: dict[int, dict[int, Any]] = {ptr: {} for ptr in storages}
+    candidates = [t for t in known if isinstance(t, torch.Tensor)]
+    candidates += [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for t in candidates:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except RuntimeError:  # tensors without storage (meta, sparse)
+            continue
+        if ptr in found:
+            found[ptr][id(t)] = t
+    return {ptr: list(ts.values()) for ptr, ts in found.items()}
+
+
+def _allocate(nbytes: int, device: Any) -> SharedBuffer:
+    """A shareable allocation of `nbytes` on `device`; its torch storage is `keep[-1]`."""
+    import torch
+
+    if device.type == "cpu":
+        fd = os.memfd_create("kvxferd-vllm-kv", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        storage = tensor.untyped_storage()
+        return SharedBuffer(fd, nbytes, storage.data_ptr(), "shm", 0, [mm, storage])
+    if device.type == "cuda":
+        from ..memory import VmmBuffer
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        vmm = VmmBuffer(nbytes, index)
+        tensor = torch.as_tensor(_CudaArray(vmm.address, vmm.nbytes), device=device)
+        storage = tensor.untyped_storage()
+        return SharedBuffer(vmm.export(), vmm.nbytes, vmm.address, "cuda_vmm", index, [vmm, storage])
+    raise RuntimeError(f"kvxferd: KV cache on {device.type} devices is not supported (cpu and cuda are)")
+
+
+class _CudaArray:
+    """Lets torch view a VMM allocation without copying (CUDA array interface)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}

@@ -1,0 +1,211 @@
+"""The connector's worker half: one TP rank's connection to its daemon.
+
+    register_kv_caches -> KV moved into shareable memory (shared_kv), described (layout),
+                          registered with the daemon (fds over the Unix socket)
+    each step:  orders from the scheduler -> hold / read / release RPCs
+                poll (only while something is pending) -> finished sending / receiving,
+                failed reads' block ids -> vLLM's kv_load_failure_policy
+
+The daemon can restart under a running engine. Then reads in flight end failed (vLLM
+recomputes or fails them, by its policy), and on the next step the worker reconnects,
+registers the same memory again and re-holds what the prefill side still holds. A hold
+whose lease passes while no daemon is there is freed by the worker itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..client import EngineClient, MemoryHandle
+from ..geometry import Geometry
+from ..rpc import DaemonError
+from .handoff import HoldOrder, Orders, ReadOrder
+from .shared_kv import SharedBuffer
+
+log = logging.getLogger("kvxferd.vllm")
+
+RECONNECT_INTERVAL_S = 1.0
+
+
+@dataclass
+class Finished:
+    """What one step reports to vLLM."""
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    load_errors: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, read_deadline_s: float) -> None:
+        self.socket_path, self.engine_id, self.rank, self.tp_size = socket_path, engine_id, rank, tp_size
+        self.read_deadline_s = read_deadline_s
+        self.client: EngineClient | None = None
+        self.geometry: Geometry | None = None
+        self.buffers: list[SharedBuffer] = []
+        self.holds: dict[str, tuple[HoldOrder, float]] = {}  # request -> (order, lease end, monotonic)
+        self.reading: dict[str, ReadOrder] = {}
+        self.releasing: set[str] = set()
+        self.finished = Finished()
+        self.next_connect = 0.0
+
+    # --- connection --------------------------------------------------------------
+    def register(self, geometry: Geometry, buffers: list[SharedBuffer], timeout_s: float) -> None:
+        """First registration: wait up to `timeout_s` for the daemon, then fail vLLM's start clearly."""
+        self.geometry, self.buffers = geometry, buffers
+        deadline = time.monotonic() + timeout_s
+        while not self._connect():
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"kvxferd: no daemon answered at {self.socket_path} within {timeout_s:g} s "
+                                   "(start `kvxferd serve --socket ...` beside this engine)")
+            time.sleep(0.5)
+
+    def _connect(self) -> bool:
+        assert self.geometry is not None
+        try:
+            client = EngineClient(self.socket_path, self.engine_id, self.rank, self.tp_size)
+        except OSError as exc:
+            log.debug("kvxferd daemon not reachable: %s", exc)
+            return False
+        try:
+            memory = [MemoryHandle(b.kind, b.nbytes, b.device) for b in self.buffers]
+            side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers])
+            for order, end in self.holds.values():
+                client.hold(order.request_id, max(0.1, end - time.monotonic()), order.block_ids)
+        except (OSError, DaemonError) as exc:
+            client.close()
+            raise RuntimeError(f"kvxferd: registering engine {self.engine_id} rank {self.rank} failed: {exc}") \
+                from exc
+        self.client = client
+        log.info("kvxferd: engine %s rank %d registered (%d B in %d buffers, side channel %s, %d holds renewed)",
+                 self.engine_id, self.rank, sum(b.nbytes for b in self.buffers), len(self.buffers), side,
+                 len(self.holds))
+        return True
+
+    def _ready(self) -> bool:
+        """Connected, or reconnected now; False while the daemon is away."""
+        if self.client is not None:
+            return True
+        now = time.monotonic()
+        if now < self.next_connect:
+            return False
+        self.next_connect = now + RECONNECT_INTERVAL_S
+        try:
+            return self._connect()
+        except RuntimeError as exc:
+            log.warning("%s", exc)
+            return False
+
+    def _lost(self, exc: Exception) -> None:
+        """The daemon went away: reads in flight are lost, holds wait for the next daemon."""
+        log.warning("kvxferd: connection to the daemon lost (%s); %d reads fail, %d holds kept", exc,
+                    len(self.reading), len(self.holds))
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+        for request_id in list(self.reading):
+            self._fail(request_id, f"daemon connection lost: {exc}")
+        self.releasing.clear()  # the prefill side's lease frees those blocks
+
+    # --- orders --------------------------------------------------------------------
+    def start(self, orders: Orders) -> None:
+        now = time.monotonic()
+        for hold in orders.holds:
+            self.holds[hold.request_id] = (hold, now + hold.lease_s)
+            self._call(hold.request_id, lambda c, h=hold: c.hold(h.request_id, h.lease_s, h.block_ids))
+        for read in orders.reads:
+            if read.is_release:
+                self.releasing.add(read.request_id)
+            else:
+                self.reading[read.request_id] = read
+            self._call(read.request_id, lambda c, r=read: c.read(r.request_id, r.remote, r.num_tokens,
+                                                                  r.local_blocks, r.remote_blocks,
+                                                                  self.read_deadline_s))
+
+    def _call(self, request_id: str, rpc) -> None:
+        if not self._ready():
+            if request_id in self.reading:
+                self._fail(request_id, "no kvxferd daemon connected")
+            self.releasing.discard(request_id)
+            return
+        try:
+            rpc(self.client)
+        except DaemonError as exc:  # refused: this request only
+            log.warning("kvxferd refused request %s: %s", request_id, exc)
+            if request_id in self.reading:
+                self._fail(request_id, str(exc))
+            self.releasing.discard(request_id)
+        except OSError as exc:
+            self._lost(exc)
+
+    # --- completions -----------------------------------------------------------------
+    def results(self) -> Finished:
+        """Finished transfers since the last step. Polls the daemon only while something is pending."""
+        if self.reading or self.releasing or self.holds:
+            self._poll()
+        self._expire_orphaned_holds()
+        finished, self.finished = self.finished, Finished()
+        return finished
+
+    def _poll(self) -> None:
+        if not self._ready():
+            return
+        assert self.client is not None
+        try:
+            completions = self.client.poll(0.0)
+        except OSError as exc:
+            self._lost(exc)
+            return
+        except DaemonError as exc:
+            log.warning("kvxferd poll refused: %s", exc)
+            return
+        for c in completions:
+            if c.status in ("sent", "expired"):
+                if self.holds.pop(c.request_id, None) is not None:
+                    self.finished.sending.add(c.request_id)
+                    if c.status == "expired":
+                        log.warning("kvxferd: request %s's lease passed before its consumers read it: %s",
+                                    c.request_id, c.reason)
+            elif c.request_id in self.releasing:
+                self.releasing.discard(c.request_id)
+                if c.status == "failed":
+                    log.warning("kvxferd: release of %s failed (the prefill lease frees it): %s", c.request_id,
+                                c.reason)
+            elif c.request_id in self.reading:
+                if c.status == "received":
+                    del self.reading[c.request_id]
+                    self.finished.recving.add(c.request_id)
+                else:
+                    self._fail(c.request_id, c.reason)
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        read = self.reading.pop(request_id)
+        log.warning("kvxferd: read of request %s failed: %s", request_id, reason)
+        self.finished.recving.add(request_id)
+        self.finished.failed.add(request_id)
+        for ids in read.local_blocks:
+            self.finished.load_errors.update(ids)
+
+    def _expire_orphaned_holds(self) -> None:
+        """Holds whose lease passed while no daemon could count it: free them here."""
+        if self.client is not None:
+            return
+        now = time.monotonic()
+        for request_id, (_, end) in list(self.holds.items()):
+            if now >= end:
+                del self.holds[request_id]
+                self.finished.sending.add(request_id)
+
+    def close(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.unregister()
+            except (OSError, DaemonError):
+                pass
+            self.client.close()
+            self.client = None
+        for b in self.buffers:
+            b.close()
