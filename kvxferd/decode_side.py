@@ -148,6 +148,8 @@ class DecodeSide:
             for r in wanted:
                 if peer.ranks[r].compat_hash != er.compat_hash:
                     raise PlanError(hs.explain_mismatch(er.geometry, peer.ranks[r].geometry))
+                if why := hs.weights_mismatch(er.geometry, peer.ranks[r].geometry):
+                    raise PlanError(why)
             t0 = time.perf_counter()
             plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})
             peer.plans[er.key] = plan

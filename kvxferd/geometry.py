@@ -108,6 +108,10 @@ class Geometry(msgspec.Struct, frozen=True):
     buffers: tuple[int, ...]  # byte size of each buffer
     regions: tuple[Region, ...]
     groups: tuple[CacheGroup, ...]
+    # Which weights filled the cache (model name or path, revision). Compared only when both
+    # engines name theirs: an engine that leaves it empty accepts caches of the same geometry
+    # computed by other weights (vLLM's enforce_handshake_compat=false).
+    weights: str = ""
 
     def describe(self) -> str:
         return f"{self.model} tp{self.tp_rank}/{self.tp_size}"

@@ -71,6 +71,14 @@ def compat_hash(geo: Geometry) -> str:
     return hashlib.sha256(_encoder.encode(compat_fields(geo))).hexdigest()[:16]
 
 
+def weights_mismatch(local: Geometry, remote: Geometry) -> str:
+    """Why two engines' weights may not exchange caches; "" when they may."""
+    if local.weights and remote.weights and local.weights != remote.weights:
+        return (f"model weights differ: local {local.weights[:120]!r} vs remote {remote.weights[:120]!r} "
+                "(an engine started with enforce_handshake_compat=false accepts other weights)")
+    return ""
+
+
 def explain_mismatch(local: Geometry, remote: Geometry) -> str:
     a, b = compat_fields(local), compat_fields(remote)
     diffs = [f"{k}: local {a[k][:80]!r} vs remote {b[k][:80]!r}" for k in a if a[k] != b[k]]

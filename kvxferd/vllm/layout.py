@@ -51,11 +51,11 @@ class GroupSpec:
 
 
 def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[int],
-             groups: list[GroupSpec], layers: list[LayerCache]) -> Geometry:
+             groups: list[GroupSpec], layers: list[LayerCache], weights: str = "") -> Geometry:
     """The geometry of one vLLM worker's KV cache. Raises GeometryError naming what it cannot describe."""
     itemsize = dtypes.itemsize(dtype)
     regions: list[Region] = []
-    region_of: dict[tuple[int, int], int] = {}
+    seen: set[tuple[int, int]] = set()
     views: dict[int, list[View]] = {g: [] for g in range(len(groups))}
     for layer in layers:
         if not 0 <= layer.group < len(groups):
@@ -65,9 +65,9 @@ def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[i
             raise GeometryError(f"layer {layer.name}: cache group {layer.group} is {spec.spec_name or spec.kind}; "
                                 "kvxferd's vLLM connector moves attention caches only (no Mamba/GDN state yet)")
         key = (layer.buffer, layer.offset)
-        if key in region_of:  # a layer sharing another's cache (cross-layer KV sharing)
+        if key in seen:  # a layer sharing another's cache (cross-layer KV sharing)
             continue
-        region_of[key] = len(regions)
+        seen.add(key)
         view, length = _attention_view(layer, spec, len(regions), tp_size, tp_rank, itemsize)
         regions.append(Region(layer.buffer, layer.offset, length))
         views[layer.group].append(view)
@@ -76,7 +76,7 @@ def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[i
     if not cache_groups:
         raise GeometryError("no attention layers found in the KV caches vLLM registered")
     return validate(Geometry(model, dtypes.canonical(dtype), tp_size, tp_rank, tuple(buffers), tuple(regions),
-                             cache_groups))
+                             cache_groups, weights))
 
 
 def _attention_view(layer: LayerCache, spec: GroupSpec, region: int, tp_size: int, tp_rank: int,

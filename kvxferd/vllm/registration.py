@@ -31,8 +31,9 @@ def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, 
                                 t.element_size())
               for name, t in kv_caches.items() if name in group_of]
     kv_dtype = str(specs[0].dtype) if specs else str(model_config.dtype)
-    geometry = layout.geometry(model_identity(vllm_config, options.enforce_handshake_compat), kv_dtype,
-                               worker.tp_size, worker.rank, [b.nbytes for b in buffers], groups, layers)
+    geometry = layout.geometry(model_identity(vllm_config), kv_dtype, worker.tp_size, worker.rank,
+                               [b.nbytes for b in buffers], groups, layers,
+                               weights=weights_identity(vllm_config) if options.enforce_handshake_compat else "")
     log.info("kvxferd: %d layers in %d cache groups, %d buffers, dtype %s", len(layers), len(geometry.groups),
              len(buffers), geometry.dtype)
     worker.register(geometry, buffers, options.connect_timeout_s)
@@ -47,19 +48,19 @@ def _bound_caches(vllm_config: Any) -> list[Any]:
     return [c for c in out if c is not None]
 
 
-def model_identity(vllm_config: Any, enforce: bool) -> str:
-    """What must agree for two engines' caches to be exchangeable, beyond the geometry itself.
-
-    The architecture and the device's cache format always; the weights (model name or path,
-    revision) unless `enforce_handshake_compat` is false, as in vLLM's NixlConnector.
-    """
+def model_identity(vllm_config: Any) -> str:
+    """The architecture and the device's cache format: what must agree beyond the geometry."""
     import torch
 
     mc = vllm_config.model_config
     device = vllm_config.device_config.device_type
     cache_format = f"cpu-{torch.backends.cpu.get_cpu_capability()}" if device == "cpu" else device
-    parts = [f"vllm:{','.join(mc.architectures or [])}", cache_format, f"layers={mc.hf_config.num_hidden_layers}",
-             f"kv_heads={mc.get_total_num_kv_heads()}", f"head={mc.get_head_size()}"]
-    if enforce:
-        parts += [f"model={mc.model}", f"revision={mc.revision or '-'}"]
-    return " ".join(parts)
+    return " ".join([f"vllm:{','.join(mc.architectures or [])}", cache_format,
+                     f"layers={mc.hf_config.num_hidden_layers}", f"kv_heads={mc.get_total_num_kv_heads()}",
+                     f"head={mc.get_head_size()}"])
+
+
+def weights_identity(vllm_config: Any) -> str:
+    """Which weights: compared unless an engine sets enforce_handshake_compat=false."""
+    mc = vllm_config.model_config
+    return f"{mc.model}@{mc.revision or '-'}"

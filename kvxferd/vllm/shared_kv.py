@@ -77,9 +77,12 @@ def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]
     """Every live tensor on one of `storages`, each once: the known ones and a one-time gc scan."""
     import torch
 
+    from torch._subclasses.fake_tensor import FakeTensor  # compile-time stand-ins own no memory
+
     found: dict[int, dict[int, Any]] = {ptr: {} for ptr in storages}
     candidates = [t for t in known if isinstance(t, torch.Tensor)]
-    candidates += [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    candidates += [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
+                   and o.device.type in ("cpu", "cuda")]
     for t in candidates:
         try:
             ptr = t.untyped_storage().data_ptr()

@@ -1,0 +1,212 @@
+"""Real vLLM servers, kvxferd daemons and the router as processes on this machine.
+
+Used by `kvxferd demo --engine vllm`, `kvxferd bench vllm` and the real-engine tests. Imports
+neither vLLM nor torch: vLLM runs in its own environment (`vllm_python()`), started as
+`python -m vllm.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_PYTHON_ENV = "KVXFERD_VLLM_PYTHON"
+DEFAULT_VENV = Path.home() / ".cache" / "kvxferd" / "vllm-venv"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def vllm_python() -> str:
+    """The interpreter of the environment vLLM is installed in (scripts/vllm-env.sh makes it)."""
+    path = os.environ.get(VLLM_PYTHON_ENV) or str(DEFAULT_VENV / "bin" / "python")
+    if not Path(path).exists():
+        raise LaunchError(f"no vLLM environment at {path}: run scripts/vllm-env.sh "
+                          f"or set {VLLM_PYTHON_ENV} to a python with vllm and kvxferd installed")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(directory: Path, seed: int) -> Path:
+    """The tiny random-weight model (made once per directory, in vLLM's environment)."""
+    subprocess.run([vllm_python(), "-m", "kvxferd.vllm.tiny_model", str(directory), "--seed", str(seed)],
+                   check=True, capture_output=True)
+    return directory
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise LaunchError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+
+
+def get_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server. `connector`: None (plain), "kvxferd" or "nixl" (vLLM's own, the baseline)."""
+
+    workdir: Path
+    name: str
+    model: Path
+    role: str | None = None  # kv_producer / kv_consumer / kv_both
+    connector: str | None = None
+    socket: str = ""  # kvxferd daemon socket
+    tp: int = 1
+    dtype: str = "bfloat16"
+    cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2
+    block_size: int = 32
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    failure_policy: str = "recompute"
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.log_path = self.workdir / f"{self.name}.log"
+        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", self.dtype, "--max-model-len", "4096", "--tensor-parallel-size", str(self.tp),
+               "--block-size", str(self.block_size), "--enable-prefix-caching", "-O0",
+               "--disable-uvicorn-access-log"]
+        if self.connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
+        env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_OMP_THREADS_BIND=self.cores, PYTHONUNBUFFERED="1", **self.env)
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.started = time.monotonic()
+
+    def transfer_config(self) -> dict[str, Any]:
+        if self.connector == "kvxferd":
+            return {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.vllm",
+                    "kv_role": self.role, "kv_load_failure_policy": self.failure_policy,
+                    "kv_connector_extra_config": {"socket": self.socket, **self.extra_config}}
+        return {"kv_connector": "NixlConnector", "kv_role": self.role, "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": self.failure_policy, "kv_connector_extra_config": self.extra_config}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 600.0) -> "VllmServer":
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"vLLM {self.name} exited with {self.proc.returncode}; "
+                                  f"last lines of {self.log_path}:\n{self.tail()}")
+            try:
+                get_text(self.url + "/health", timeout=2)
+                return self
+            except OSError:
+                time.sleep(1.0)
+        raise LaunchError(f"vLLM {self.name} not ready within {timeout:g} s; see {self.log_path}")
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in text if "Attempted to load weight" not in line)[-lines * 200:]
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
+        return post(self.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0.0, "ignore_eos": True, **extra})
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric over its label sets (vLLM's /metrics)."""
+        total = 0.0
+        for line in get_text(self.url + "/metrics").splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 15)
+                self.proc.wait(30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+        self.log.close()
+
+
+@dataclass
+class ProxyProcess:
+    workdir: Path
+    prefill: list[str]
+    decode: list[str]
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.log = open(self.workdir / "proxy.log", "a")
+        cmd = [sys.executable, "-m", "kvxferd", "proxy", "--port", str(self.port)]
+        for u in self.prefill:
+            cmd += ["--prefill", u]
+        for u in self.decode:
+            cmd += ["--decode", u]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        raise LaunchError(f"proxy did not start; see {self.log.name}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
+        return post(self.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0.0, "ignore_eos": True, **extra})
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def handoff(prefill: VllmServer, decode: VllmServer, prompt: str | list[int], max_tokens: int = 16,
+            **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The router's two steps done by hand: (prefill response, decode response)."""
+    p = prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    if not p.get("kv_transfer_params"):
+        raise LaunchError(f"prefill {prefill.name} answered without kv_transfer_params: {p}")
+    return p, decode.complete(prompt, max_tokens, kv_transfer_params=p["kv_transfer_params"], **extra)
+
+
+def prompts(count: int, tokens: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of an exact length (block boundaries are then known), distinct per seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(count)]
