@@ -6,15 +6,20 @@
                 poll (only while something is pending) -> finished sending / receiving,
                 failed reads' block ids -> vLLM's kv_load_failure_policy
 
-The daemon can restart under a running engine. Then reads in flight end failed (vLLM
-recomputes or fails them, by its policy), and on the next step the worker reconnects,
-registers the same memory again and re-holds what the prefill side still holds. A hold
-whose lease passes while no daemon is there is freed by the worker itself.
+The daemon can restart under a running engine. A watcher thread notices (the socket reads
+EOF) even while the engine is idle: reads in flight end failed (vLLM recomputes or fails
+them, by its policy), and once a daemon answers again the watcher registers the same memory
+and re-holds what the prefill side still holds. A hold whose lease passes while no daemon is
+there is freed by the worker itself. One lock guards the connection and the request tables:
+vLLM calls from one thread, so it is contended only while the watcher reconnects.
 """
 
 from __future__ import annotations
 
 import logging
+import select
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,7 +55,8 @@ class WorkerSide:
         self.reading: dict[str, ReadOrder] = {}
         self.releasing: set[str] = set()
         self.finished = Finished()
-        self.next_connect = 0.0
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
 
     # --- connection --------------------------------------------------------------
     def register(self, geometry: Geometry, buffers: list[SharedBuffer], timeout_s: float) -> None:
@@ -62,6 +68,7 @@ class WorkerSide:
                 raise RuntimeError(f"kvxferd: no daemon answered at {self.socket_path} within {timeout_s:g} s "
                                    "(start `kvxferd serve --socket ...` beside this engine)")
             time.sleep(0.5)
+        threading.Thread(target=self._watch, name="kvxferd-watch", daemon=True).start()
 
     def _connect(self) -> bool:
         assert self.geometry is not None
@@ -85,19 +92,17 @@ class WorkerSide:
                  len(self.holds))
         return True
 
-    def _ready(self) -> bool:
-        """Connected, or reconnected now; False while the daemon is away."""
-        if self.client is not None:
-            return True
-        now = time.monotonic()
-        if now < self.next_connect:
-            return False
-        self.next_connect = now + RECONNECT_INTERVAL_S
-        try:
-            return self._connect()
-        except RuntimeError as exc:
-            log.warning("%s", exc)
-            return False
+    def _watch(self) -> None:
+        """Notice a daemon that went away while the engine is idle; register again when one is back."""
+        while not self.closed.wait(RECONNECT_INTERVAL_S):
+            with self.lock:
+                if self.client is None:
+                    try:
+                        self._connect()
+                    except RuntimeError as exc:
+                        log.warning("%s", exc)
+                elif _closed_by_peer(self.client.rpc.sock):
+                    self._lost(ConnectionError("the daemon closed the connection"))
 
     def _lost(self, exc: Exception) -> None:
         """The daemon went away: reads in flight are lost, holds wait for the next daemon."""
@@ -112,6 +117,10 @@ class WorkerSide:
 
     # --- orders --------------------------------------------------------------------
     def start(self, orders: Orders) -> None:
+        with self.lock:
+            self._start(orders)
+
+    def _start(self, orders: Orders) -> None:
         now = time.monotonic()
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
@@ -126,7 +135,7 @@ class WorkerSide:
                                                                   self.read_deadline_s))
 
     def _call(self, request_id: str, rpc) -> None:
-        if not self._ready():
+        if self.client is None:
             if request_id in self.reading:
                 self._fail(request_id, "no kvxferd daemon connected")
             self.releasing.discard(request_id)
@@ -144,16 +153,16 @@ class WorkerSide:
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
         """Finished transfers since the last step. Polls the daemon only while something is pending."""
-        if self.reading or self.releasing or self.holds:
-            self._poll()
-        self._expire_orphaned_holds()
-        finished, self.finished = self.finished, Finished()
-        return finished
+        with self.lock:
+            if self.reading or self.releasing or self.holds:
+                self._poll()
+            self._expire_orphaned_holds()
+            finished, self.finished = self.finished, Finished()
+            return finished
 
     def _poll(self) -> None:
-        if not self._ready():
+        if self.client is None:
             return
-        assert self.client is not None
         try:
             completions = self.client.poll(0.0)
         except OSError as exc:
@@ -200,6 +209,11 @@ class WorkerSide:
                 self.finished.sending.add(request_id)
 
     def close(self) -> None:
+        self.closed.set()
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.client is not None:
             try:
                 self.client.unregister()
@@ -209,3 +223,14 @@ class WorkerSide:
             self.client = None
         for b in self.buffers:
             b.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """EOF waiting on a socket the daemon never writes to unasked (called between calls)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True

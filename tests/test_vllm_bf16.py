@@ -1,0 +1,34 @@
+"""Real vLLM prefill and decode in bf16, TP 1 -> 1, through kvxferd: the decode's greedy tokens
+equal a single bf16 instance's, and every prompt block arrives."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.demo import DaemonProcess
+from kvxferd.vllm.launcher import VllmServer, handoff, prompts
+from vllm_world import daemon_status, model, start, text
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("vllm-bf16")
+    pd, dd = DaemonProcess(wd, "p-daemon"), DaemonProcess(wd, "d-daemon")
+    ref = VllmServer(wd, "single", model(0), cores="0")
+    p = VllmServer(wd, "prefill", model(0), role="kv_producer", connector="kvxferd", socket=pd.socket, cores="0")
+    d = VllmServer(wd, "decode", model(0), role="kv_consumer", connector="kvxferd", socket=dd.socket, cores="1")
+    start(ref, p, d)
+    yield ref, p, d, dd
+    for x in (ref, p, d, pd, dd):
+        x.stop()
+
+
+def test_bf16_decode_equals_single_instance(pair):
+    ref, p, d, dd = pair
+    for n in (33, 100, 257):
+        prompt = prompts(1, n, seed=n)[0]
+        _, out = handoff(p, d, prompt)
+        assert text(out) == text(ref.complete(prompt, 16)), f"{n} tokens"
+    assert daemon_status(dd)["counters"].get("received", 0) == 3

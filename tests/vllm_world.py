@@ -1,0 +1,50 @@
+"""Shared pieces of the real-vLLM tests: tiny models, daemons, servers started side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from kvxferd.demo import DaemonProcess
+from kvxferd.rpc import Client
+from kvxferd import protocol as P
+from kvxferd.vllm.launcher import VllmServer, make_model
+
+MODELS = Path(os.environ.get("KVXFERD_TEST_MODELS", Path.home() / ".cache" / "kvxferd" / "models"))
+
+
+def model(seed: int) -> Path:
+    return make_model(MODELS / f"tiny-llama-seed{seed}", seed)
+
+
+def start(*servers: VllmServer) -> None:
+    """Servers start in parallel (they were spawned by their constructors); wait for all."""
+    try:
+        for s in servers:
+            s.wait_ready()
+    except Exception:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def daemon_status(d: DaemonProcess) -> dict:
+    with contextlib.closing(Client(d.socket, 10)) as c:
+        return c.call(P.StatusQuery()).status
+
+
+def wait_until(what: str, check, timeout: float, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
+
+
+def text(response: dict) -> str:
+    return response["choices"][0]["text"]
