@@ -171,6 +171,29 @@ def bench_footprint(as_json: bool = typer.Option(False, "--json")) -> None:
     typer.echo(json.dumps(result, indent=2) if as_json else footprint.render(result))
 
 
+@bench_app.command("vllm")
+def bench_vllm(
+    rounds: int = typer.Option(3, help="Alternating rounds of each setup."),
+    lengths: list[int] = typer.Option([128, 512, 2048], "--length", help="Prompt tokens (repeatable)."),
+    concurrency: list[int] = typer.Option([1, 8], "--concurrency", help="Requests in flight (repeatable)."),
+    requests: int = typer.Option(8, help="Requests per case and round (at least the concurrency)."),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    idle_s: float = typer.Option(5.0, "--idle-s", help="Idle window for the CPU measurement."),
+    workdir: Optional[Path] = typer.Option(None, help="Where logs go (default: a temporary directory)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Real vLLM P/D through kvxferd vs vLLM's NixlConnector: TTFT, decode TTFT, requests/s, idle CPU."""
+    import tempfile
+
+    from .vllm import bench
+
+    with tempfile.TemporaryDirectory(prefix="kvxferd-bench-vllm-") as tmp:
+        result = bench.run(rounds, lengths, concurrency, requests, max_tokens, idle_s, workdir or Path(tmp),
+                           say=lambda m: typer.echo(m, err=True))
+    out = {"cases": result.table(), "idle_cpu_percent": result.idle_table()}
+    typer.echo(json.dumps(out, indent=2) if as_json else bench.render(out))
+
+
 @app.command()
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file."),
@@ -288,14 +311,26 @@ def demo(
     model: str = typer.Option("dense", help="Preset: dense, mla, mamba2, gdn, gemma4."),
     p_tp: int = typer.Option(2, "--p-tp"),
     d_tp: int = typer.Option(4, "--d-tp"),
-    requests: int = typer.Option(64, "--requests", "-n"),
-    max_tokens: int = typer.Option(200, "--max-tokens"),
+    requests: Optional[int] = typer.Option(None, "--requests", "-n", help="Default: 64 synthetic, 8 vllm."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
+                                             help="Synthetic: longest prompt (default 200); vllm: tokens generated "
+                                                  "(default 24)."),
     hit_ratio: float = typer.Option(0.3, "--hit-ratio", help="Share of requests with a partial prefix hit."),
     num_blocks: int = typer.Option(256, "--num-blocks"),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json"),
+    engine: str = typer.Option("synthetic", "--engine",
+                               help="synthetic (verifies every byte) or vllm (real vLLM prefill and decode "
+                                    "through the router, compared with a single instance)."),
+    repeat: int = typer.Option(4, "--repeat", help="vllm: times each prompt sentence is repeated (prompt length)."),
 ) -> None:
-    """Two daemons and two synthetic engines on this machine; every byte that arrives is verified."""
+    """Two daemons and two engines on this machine: synthetic ones (every byte verified) or real vLLM."""
+    if engine == "vllm":
+        _demo_vllm(requests or 8, max_tokens or 24, repeat, as_json)
+        return
+    if engine != "synthetic":
+        fail(f"unknown engine {engine!r}; synthetic or vllm")
+    requests, max_tokens = requests or 64, max_tokens or 200
     from .demo import DemoError, run_demo
     from .models import PRESETS
 
@@ -318,6 +353,27 @@ def demo(
                    f"with the handshake: {s['first_request_ms']:.1f} ms), prefill blocks released: "
                    f"{s['prefill_released']}")
     if result.failed or result.received != requests:
+        raise typer.Exit(1)
+
+
+def _demo_vllm(requests: int, max_tokens: int, repeat: int, as_json: bool) -> None:
+    from .vllm.demo import run
+    from .vllm.launcher import LaunchError
+
+    say = (lambda m: typer.echo(m, err=True))
+    say(f"kvxferd demo: real vLLM prefill -> decode through kvxferd, {requests} prompts")
+    try:
+        result = run(requests, max_tokens, repeat, say=say)
+    except LaunchError as exc:
+        fail(f"demo failed: {exc}")
+    s = result.summary()
+    if as_json:
+        typer.echo(json.dumps(s, indent=2))
+    else:
+        typer.echo(f"{s['matching']}/{s['prompts']} prompts: the decode's output through kvxferd equals a single "
+                   f"vLLM instance's; TTFT p50 {s['ttft_ms_pd_p50']:.1f} ms prefill/decode via the router, "
+                   f"{s['ttft_ms_single_p50']:.1f} ms single instance")
+    if s["matching"] != s["prompts"]:
         raise typer.Exit(1)
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Install what the tests need (Python packages, and the real tools that validate the
-# deployment artifacts: Prometheus/promtool from Debian) and run the test suite.
+# Install what the tests need and run them all:
+#  - Debian's Prometheus/promtool (the observability checks use the real tools),
+#  - the Python test tools (pip install -e '.[test]'),
+#  - vLLM's CPU build in its own environment (scripts/vllm-env.sh), for the real-vLLM tests.
+# Extra arguments go to pytest (e.g. -m 'not vllm' to skip the real-vLLM tests while iterating).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
@@ -9,4 +12,6 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >/dev/null
 fi
 pip install -q -e '.[test]'
+KVXFERD_VLLM_PYTHON="$(./scripts/vllm-env.sh | tail -n 1)"
+export KVXFERD_VLLM_PYTHON
 python -m pytest -q "$@"

@@ -195,6 +195,36 @@ class ProxyProcess:
         self.log.close()
 
 
+@dataclass
+class Timed:
+    text: str
+    ttft_s: float  # until the first generated text arrived
+    total_s: float
+
+
+def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: float = 300.0, **extra: Any) -> Timed:
+    """A streamed completion, timed on the client: TTFT is what a user waits for the first token."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, **extra}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, parts = 0.0, []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise LaunchError(f"{url}: {chunk['error']}")
+            piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""
+            if piece and not first:
+                first = time.perf_counter() - t0
+            parts.append(piece)
+    return Timed("".join(parts), first, time.perf_counter() - t0)
+
+
 def handoff(prefill: VllmServer, decode: VllmServer, prompt: str | list[int], max_tokens: int = 16,
             **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The router's two steps done by hand: (prefill response, decode response)."""

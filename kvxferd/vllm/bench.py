@@ -1,0 +1,221 @@
+"""`kvxferd bench vllm`: real vLLM P/D through kvxferd side by side with vLLM's NixlConnector.
+
+Both setups run the same tiny model on the same machine: two vLLM instances each (prefill on
+core 0, decode on core 1), kvxferd's with its two daemons. Rounds alternate between them so
+the machine's noise weighs on both alike; the setup not being measured is frozen (SIGSTOP),
+so its idle pollers take no CPU from the one that is. Per prompt length and concurrency:
+
+    TTFT         prefill request + decode request until its first token (what the router does)
+    decode TTFT  the decode request alone: KV ready (handshake, pull) + one decode step
+    requests/s   requests finished / wall time
+    idle CPU     each instance's and daemon's CPU over an idle window, % of one core
+
+and the ratio kvxferd / NixlConnector for each.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..demo import DaemonProcess
+from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, post, stream
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICKS
+
+
+@dataclass
+class Setup:
+    """One P/D pair (and its daemons, for kvxferd)."""
+
+    name: str
+    prefill: VllmServer
+    decode: VllmServer
+    daemons: list[DaemonProcess] = field(default_factory=list)
+
+    def processes(self) -> dict[str, list[int]]:
+        procs = {"prefill vLLM": descendants(self.prefill.proc.pid), "decode vLLM": descendants(self.decode.proc.pid)}
+        for d in self.daemons:
+            procs[d.name] = [d.proc.pid]
+        return procs
+
+    def signal(self, sig: int) -> None:
+        for pids in self.processes().values():
+            for p in pids:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+
+    def idle_cpu(self, seconds: float) -> dict[str, float]:
+        """% of one core each part uses while no request is in flight."""
+        procs = self.processes()
+        before = {k: cpu_seconds(v) for k, v in procs.items()}
+        time.sleep(seconds)
+        return {k: 100.0 * (cpu_seconds(v) - before[k]) / seconds for k, v in procs.items()}
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    decode_ttft_s: float
+
+
+def one_request(setup: Setup, prompt: list[int], max_tokens: int) -> Sample:
+    t0 = time.perf_counter()
+    p = post(setup.prefill.url + "/v1/completions",
+             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+              "kv_transfer_params": {"do_remote_decode": True}})
+    prefill_s = time.perf_counter() - t0
+    d = stream(setup.decode.url, prompt, max_tokens, kv_transfer_params=p["kv_transfer_params"])
+    return Sample(prefill_s + d.ttft_s, d.ttft_s)
+
+
+def run_case(setup: Setup, length: int, concurrency: int, requests: int, rng: random.Random,
+             max_tokens: int) -> tuple[list[Sample], float]:
+    prompts = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(requests)]  # never a prefix hit
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        samples = list(pool.map(lambda p: one_request(setup, p, max_tokens), prompts))
+    return samples, requests / (time.perf_counter() - t0)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+@dataclass
+class Result:
+    cases: dict[tuple[int, int], dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    idle: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def add(self, setup: str, length: int, concurrency: int, samples: list[Sample], rps: float) -> None:
+        c = self.cases.setdefault((length, concurrency), {}).setdefault(
+            setup, {"ttft": [], "decode_ttft": [], "rps": []})
+        c["ttft"] += [s.ttft_s for s in samples]
+        c["decode_ttft"] += [s.decode_ttft_s for s in samples]
+        c["rps"].append(rps)
+
+    def table(self) -> list[dict]:
+        rows = []
+        for (length, conc), by in sorted(self.cases.items()):
+            row: dict = {"prompt_tokens": length, "concurrency": conc}
+            for name, c in by.items():
+                row[name] = {"ttft_ms_p50": 1e3 * statistics.median(c["ttft"]), "ttft_ms_p99": 1e3 * pct(c["ttft"], .99),
+                             "decode_ttft_ms_p50": 1e3 * statistics.median(c["decode_ttft"]),
+                             "requests_per_s": statistics.median(c["rps"]), "samples": len(c["ttft"])}
+            if "kvxferd" in by and "nixl" in by:
+                k, n = row["kvxferd"], row["nixl"]
+                row["ratio"] = {m: k[m] / n[m] for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50",
+                                                         "requests_per_s")}
+            rows.append(row)
+        return rows
+
+    def idle_table(self) -> dict[str, dict[str, float]]:
+        return {setup: {part: statistics.median(v) for part, v in parts.items()} for setup, parts in self.idle.items()}
+
+
+def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
+    p_daemon, d_daemon = DaemonProcess(wd, "kvxferd-prefill-daemon"), DaemonProcess(wd, "kvxferd-decode-daemon")
+    for d in (p_daemon, d_daemon):
+        stack.callback(d.stop)
+    nixl_env = lambda: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    servers = {
+        "kvxferd": (VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0"),
+                    VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1")),
+        "nixl": (VllmServer(wd, "nixl-prefill", model, "kv_producer", "nixl", cores="0", env=nixl_env()),
+                 VllmServer(wd, "nixl-decode", model, "kv_consumer", "nixl", cores="1", env=nixl_env())),
+    }
+    for pair in servers.values():
+        for s in pair:
+            stack.callback(s.stop)
+    for pair in servers.values():
+        for s in pair:
+            s.wait_ready()
+    return {"kvxferd": Setup("kvxferd", *servers["kvxferd"], [p_daemon, d_daemon]),
+            "nixl": Setup("nixl", *servers["nixl"])}
+
+
+def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int, max_tokens: int,
+        idle_s: float, workdir: Path, say: Callable[[str], None]) -> Result:
+    model = make_model(DEFAULT_VENV.parent / "models" / "tiny-llama-seed0", 0)
+    result = Result()
+    rng = random.Random(0)
+    with ExitStack() as stack:
+        say("starting 4 vLLM instances and 2 daemons (a few minutes on 2 cores)")
+        setups = start_setups(workdir, model, stack)
+        stack.callback(lambda: [s.signal(signal.SIGCONT) for s in setups.values()])  # stoppable again
+        for s in setups.values():  # connect once, outside the measurement
+            s.signal(signal.SIGCONT)
+            run_case(s, 64, 1, 2, rng, 4)
+            s.signal(signal.SIGSTOP)
+        for r in range(rounds):
+            order = ["kvxferd", "nixl"] if r % 2 == 0 else ["nixl", "kvxferd"]
+            for name in order:
+                setup = setups[name]
+                setup.signal(signal.SIGCONT)
+                try:
+                    for length in lengths:
+                        for conc in concurrencies:
+                            samples, rps = run_case(setup, length, conc, max(requests, conc), rng, max_tokens)
+                            result.add(name, length, conc, samples, rps)
+                            say(f"round {r + 1}/{rounds} {name:8s} {length:5d} tokens x{conc}: TTFT p50 "
+                                f"{1e3 * statistics.median(s.ttft_s for s in samples):7.1f} ms, {rps:5.2f} req/s")
+                    time.sleep(1.0)  # let the last completions settle before the idle window
+                    for part, cpu in setup.idle_cpu(idle_s).items():
+                        result.idle.setdefault(name, {}).setdefault(part, []).append(cpu)
+                finally:
+                    setup.signal(signal.SIGSTOP)
+    return result
+
+
+def render(out: dict) -> str:
+    lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s",
+             "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"]
+    for row in out["cases"]:
+        k, n, r = row["kvxferd"], row["nixl"], row["ratio"]
+        cells = [f"{k[m]:7.1f} {n[m]:6.1f} {r[m]:4.2f}" for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50")]
+        cells.append(f"{k['requests_per_s']:6.2f} {n['requests_per_s']:5.2f} {r['requests_per_s']:4.2f}")
+        lines.append(f"{row['prompt_tokens']:6d} {row['concurrency']:4d} | " + "| ".join(cells))
+    lines.append("")
+    lines.append("idle CPU, % of one core:")
+    for setup, parts in out["idle_cpu_percent"].items():
+        lines.append(f"  {setup:8s} " + ", ".join(f"{part} {cpu:.1f}%" for part, cpu in parts.items()))
+    return "\n".join(lines)
