@@ -116,3 +116,12 @@ def test_unknown_options_are_named():
     assert ConnectorOptions.from_extra({"socket": "/s", "lease_s": "12"}).lease_s == 12.0
     with pytest.raises(ValueError, match="lease"):
         ConnectorOptions.from_extra({"lease": 3})
+
+
+def test_prefill_without_a_daemon_frees_at_once():
+    def nowhere():
+        raise ConnectionError("no kvxferd daemon at /nowhere")
+    s = SchedulerSide("engine-p", 1, [BS], 30.0, nowhere)
+    req = Request("req-p", 100, {"do_remote_decode": True}, num_computed_tokens=100)
+    assert s.finished(req, ([4, 5, 6, 7],), completed=True) == (False, None)
+    assert s.take_orders().holds == []

@@ -81,7 +81,12 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or not completed or not any(block_ids):
             return False, None
-        host, port = self.side_channel()
+        try:
+            host, port = self.side_channel()
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # no daemon to hold the blocks: free them
+            log.warning("request %s: cannot hand off, the kvxferd daemon's side channel is unknown: %s",
+                        request.request_id, exc)
+            return False, None
         blocks = [list(map(int, ids)) for ids in block_ids]
         self.orders.holds.append(HoldOrder(request.request_id, blocks, self.lease_s))
         return True, prefill_params(self.engine_id, request.request_id, host, port, self.tp_size, blocks,
