@@ -84,6 +84,17 @@ class EngineProcess:
             self.proc.kill()
 
 
+def stop_process(proc: subprocess.Popen, log) -> None:
+    """SIGTERM, then SIGKILL after 10 s; close its log."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log.close()
+
+
 class DaemonProcess:
     """`kvxferd serve` in its own process."""
 
@@ -120,13 +131,7 @@ class DaemonProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        stop_process(self.proc, self.log)
 
 
 @dataclass

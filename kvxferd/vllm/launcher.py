@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..demo import stop_process
+
 VLLM_PYTHON_ENV = "KVXFERD_VLLM_PYTHON"
 DEFAULT_VENV = Path.home() / ".cache" / "kvxferd" / "vllm-venv"
 
@@ -56,6 +58,12 @@ def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, An
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raise LaunchError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
+    """A greedy completion from the tiny model (vLLM or the router at `url`)."""
+    return post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0.0, "ignore_eos": True, **extra})
 
 
 def get_text(url: str, timeout: float = 10.0) -> str:
@@ -129,8 +137,7 @@ class VllmServer:
         return "\n".join(line for line in text if "Attempted to load weight" not in line)[-lines * 200:]
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
-        return post(self.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                   "temperature": 0.0, "ignore_eos": True, **extra})
+        return complete(self.url, prompt, max_tokens, **extra)
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric over its label sets (vLLM's /metrics)."""
@@ -183,16 +190,10 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
-        return post(self.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                   "temperature": 0.0, "ignore_eos": True, **extra})
+        return complete(self.url, prompt, max_tokens, **extra)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_process(self.proc, self.log)
 
 
 @dataclass
