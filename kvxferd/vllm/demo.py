@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,10 +82,14 @@ def run(requests: int, max_tokens: int, repeat: int, workdir: str | None = None,
         stack.callback(proxy.stop)
         say(f"router at {proxy.url}; logs in {wd}")
         result = VllmDemoResult()
-        for i in range(requests):
-            prompt = " ".join([PROMPTS[i % len(PROMPTS)]] * repeat)
+        texts = [" ".join([PROMPTS[i % len(PROMPTS)]] * repeat) + (f" ({i})" if i >= len(PROMPTS) else "")
+                 for i in range(requests)]
+        # The single instance shares core 0 with the prefill: run it first and let its OpenMP
+        # threads go idle, so neither side's timing carries the other's load.
+        singles = [stream(single.url, prompt, max_tokens) for prompt in texts]
+        time.sleep(1.0)
+        for prompt, one in zip(texts, singles):
             pd = stream(proxy.url, prompt, max_tokens)
-            one = stream(single.url, prompt, max_tokens)
             result.rows.append(Row(prompt, pd.text, one.text, pd.ttft_s, one.ttft_s))
             say(f"  {'=' if pd.text == one.text else 'DIFFERENT'}  P/D TTFT {pd.ttft_s * 1e3:6.1f} ms, "
                 f"single {one.ttft_s * 1e3:6.1f} ms  {prompt[:48]!r}... -> {pd.text[:40]!r}")
