@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..client import EngineClient, MemoryHandle
 from ..geometry import Geometry
@@ -32,6 +33,7 @@ from .shared_kv import SharedBuffer
 log = logging.getLogger("kvxferd.vllm")
 
 RECONNECT_INTERVAL_S = 1.0
+ORPHAN_GRACE_S = 5.0  # past its lease, a connected daemon's "expired" should have come
 
 
 @dataclass
@@ -134,7 +136,7 @@ class WorkerSide:
                                                                   r.local_blocks, r.remote_blocks,
                                                                   self.read_deadline_s))
 
-    def _call(self, request_id: str, rpc) -> None:
+    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> None:
         if self.client is None:
             if request_id in self.reading:
                 self._fail(request_id, "no kvxferd daemon connected")
@@ -199,14 +201,16 @@ class WorkerSide:
             self.finished.load_errors.update(ids)
 
     def _expire_orphaned_holds(self) -> None:
-        """Holds whose lease passed while no daemon could count it: free them here."""
-        if self.client is not None:
-            return
+        """Holds whose lease passed without the daemon ending them (no daemon connected, or it
+        refused the hold): free them here, so no block is held forever."""
         now = time.monotonic()
+        grace = 0.0 if self.client is None else ORPHAN_GRACE_S
         for request_id, (_, end) in list(self.holds.items()):
-            if now >= end:
+            if now >= end + grace:
                 del self.holds[request_id]
                 self.finished.sending.add(request_id)
+                log.warning("kvxferd: request %s's lease passed with no word from the daemon; blocks freed",
+                            request_id)
 
     def close(self) -> None:
         self.closed.set()

@@ -1,0 +1,89 @@
+"""The connector's worker half against a real daemon (no vLLM): leases, refusals, a daemon that
+dies and comes back while the engine is idle."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.demo import DaemonProcess
+from kvxferd.memory import buffer_address, create_shm
+from kvxferd.models import ModelShape, build
+from kvxferd.protocol import RemoteRef
+from kvxferd.vllm import worker as worker_mod
+from kvxferd.vllm.handoff import HoldOrder, Orders, ReadOrder
+from kvxferd.vllm.shared_kv import SharedBuffer
+from kvxferd.vllm.worker import WorkerSide
+from vllm_world import daemon_status, wait_until
+
+SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path, "daemon")
+    yield d
+    d.stop()
+
+
+def make_worker(daemon: DaemonProcess, engine: str = "engine-a") -> WorkerSide:
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    w = WorkerSide(daemon.socket, engine, 0, 1, read_deadline_s=5.0)
+    w.register(geo, [SharedBuffer(fd, geo.buffers[0], buffer_address(mm), "shm", 0, [mm])], timeout_s=10)
+    return w
+
+
+def collect(w: WorkerSide, what: str, timeout: float):
+    seen = worker_mod.Finished()
+
+    def step():
+        done = w.results()
+        for name in ("sending", "recving", "failed", "load_errors"):
+            getattr(seen, name).update(getattr(done, name))
+        return seen if what in seen.sending | seen.recving else None
+    return wait_until(f"{what} finished", step, timeout, 0.05)
+
+
+def test_a_hold_whose_lease_passes_is_freed(daemon):
+    w = make_worker(daemon)
+    w.start(Orders([HoldOrder("r1", [[1, 2]], 0.3)], []))
+    assert [h["request"] for h in daemon_status(daemon)["held"]] == ["r1"]
+    assert "r1" in collect(w, "r1", 5).sending
+    w.close()
+
+
+def test_a_refused_hold_is_freed_by_the_worker_after_its_lease(daemon, monkeypatch):
+    monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.2)
+    w = make_worker(daemon)
+    w.start(Orders([HoldOrder("r1", [[1]], 10_000.0)], []))  # over the daemon's max lease: refused
+    assert not daemon_status(daemon)["held"]
+    w.holds["r1"] = (w.holds["r1"][0], 0.0)  # its lease has passed
+    assert "r1" in collect(w, "r1", 5).sending
+    w.close()
+
+
+def test_a_failed_read_reports_its_blocks(daemon):
+    w = make_worker(daemon, "decode")
+    remote = RemoteRef("nobody", "127.0.0.1", 1, 1, "p-req")  # no daemon there: handshake fails
+    w.start(Orders([], [ReadOrder("d-req", remote, 8, [[5, 6]], [[1, 2]])]))
+    seen = collect(w, "d-req", 15)
+    assert seen.failed == {"d-req"} and seen.load_errors == {5, 6}
+    w.close()
+
+
+def test_daemon_restart_while_idle_reregisters_and_reholds(tmp_path):
+    d = DaemonProcess(tmp_path, "daemon", side_channel_port=0)
+    w = make_worker(d)
+    w.start(Orders([HoldOrder("r1", [[1]], 60.0)], [ReadOrder("d-req", RemoteRef("x", "127.0.0.1", 1, 1, "p"), 8,
+                                                              [[3]], [[4]])]))
+    d.kill()
+    seen = collect(w, "d-req", 10)  # noticed by the watcher, with no call from the engine
+    assert seen.failed == {"d-req"} and seen.load_errors == {3}
+    d2 = DaemonProcess(tmp_path, "daemon", socket=d.socket)
+    try:
+        status = wait_until("registered again", lambda: daemon_status(d2)["engines"] and daemon_status(d2), 10)
+        assert [h["request"] for h in status["held"]] == ["r1"]
+        assert status["engines"][0]["engine"] == "engine-a"
+    finally:
+        w.close()
+        d2.stop()
