@@ -22,12 +22,11 @@ from typing import Literal
 
 import msgspec
 
+from . import dtypes
 from .geometry import (
     ATTENTION, STATE, TOKEN_MAJOR, UNIT_MAJOR,
     CacheGroup, Geometry, GeometryError, Region, Segment, View, shard, validate,
 )
-
-from . import dtypes
 
 
 class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
