@@ -9,8 +9,10 @@ never matches metadata cached by its peers.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import sys
 
 import numpy as np
 
@@ -21,11 +23,25 @@ class TransferError(RuntimeError):
     """NIXL reported a failed transfer (remote disconnect, backend error)."""
 
 
+def nixl_api():
+    """NIXL's Python API, its own log lines moved from stdout to stderr.
+
+    NIXL configures its logger with a handler on stdout; kvxferd keeps stdout for what a
+    command prints (`--json` must stay parseable) and logs to stderr.
+    """
+    from nixl import _api  # heavy import, kept local
+
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    return _api
+
+
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
                  telemetry: bool = True, progress_thread: bool = True) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # heavy import, kept local
-
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    capture_telemetry=telemetry, backends=list(backends))

@@ -34,9 +34,10 @@ def shape_for(page: int, blocks: int) -> ModelShape:
 def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int, device: str) -> None:
     import mmap
 
-    from nixl._api import nixl_agent, nixl_agent_config
+    from ..nixl_driver import nixl_api
 
-    agent = nixl_agent(f"raw-{role}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    api = nixl_api()
+    agent = api.nixl_agent(f"raw-{role}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     size = 2 * n * page
     if device == "cuda-vmm":
         from ..memory import VmmBuffer
