@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..demo import DaemonProcess
-from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, post, stream
+from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, stream
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -99,9 +99,7 @@ class Sample:
 
 def one_request(setup: Setup, prompt: list[int], max_tokens: int) -> Sample:
     t0 = time.perf_counter()
-    p = post(setup.prefill.url + "/v1/completions",
-             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-              "kv_transfer_params": {"do_remote_decode": True}})
+    p = setup.prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
     prefill_s = time.perf_counter() - t0
     d = stream(setup.decode.url, prompt, max_tokens, kv_transfer_params=p["kv_transfer_params"])
     return Sample(prefill_s + d.ttft_s, d.ttft_s)

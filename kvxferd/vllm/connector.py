@@ -11,7 +11,6 @@ options are in `ConnectorOptions` (docs/vllm.md).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from .worker import WorkerSide
-
-log = logging.getLogger("kvxferd.vllm")
 
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
