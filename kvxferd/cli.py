@@ -51,10 +51,10 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (docs/plan.md)."),
 ) -> None:
     """Explain the transfer plan between a prefill and a decode engine, offline."""
-    from .explain import SCHEMA_VERSION, rank_plan_dict, render_table
-    from .geometry import GeometryError
-    from .models import PRESETS, ModelShape, build
-    from .planner import PlanError, plan_rank, targets
+    from .plan.explain import SCHEMA_VERSION, rank_plan_dict, render_table
+    from .plan.geometry import GeometryError
+    from .plan.models import PRESETS, ModelShape, build
+    from .plan.planner import PlanError, plan_rank, targets
 
     try:
         if file is not None:
@@ -84,7 +84,7 @@ def plan(
 
 
 def _plan_file(path: Path):
-    from .models import ModelShape
+    from .plan.models import ModelShape
 
     raw = path.read_bytes()
     data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
@@ -331,8 +331,8 @@ def demo(
     if engine != "synthetic":
         fail(f"unknown engine {engine!r}; synthetic or vllm")
     requests, max_tokens = requests or 64, max_tokens or 200
-    from .demo import DemoError, run_demo
-    from .models import PRESETS
+    from .synthetic.demo import DemoError, run_demo
+    from .plan.models import PRESETS
 
     if model not in PRESETS:
         fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")

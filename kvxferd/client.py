@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from . import protocol as P
-from .geometry import Geometry
+from .plan.geometry import Geometry
 from .rpc import AsyncClient, Client, DaemonError
 
 __all__ = ["EngineClient", "AsyncEngineClient", "DaemonError", "RemoteRef", "Completion", "MemoryHandle"]

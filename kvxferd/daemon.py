@@ -20,11 +20,11 @@ import zmq.asyncio
 from . import __version__, handshake as hs, protocol as P
 from .config import Config
 from .decode_side import DecodeSide
-from .descriptors import RequestBlocks, local_descs, region_addresses, request_indices
-from .geometry import Geometry, GeometryError, validate
+from .plan.descriptors import RequestBlocks, local_descs, region_addresses, request_indices
+from .plan.geometry import Geometry, GeometryError, validate
 from .memory import Mapping, MappingError, map_cuda, map_cuda_vmm, map_shm
 from .metrics import Metrics, serve_http
-from .planner import plan_rank
+from .plan.planner import plan_rank
 from .prefill_side import PrefillSide
 from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
@@ -351,7 +351,7 @@ class Daemon(PrefillSide, DecodeSide):
 
 def _warm_up() -> None:
     """Plan a tiny transfer once so that the first real request pays no lazy imports."""
-    from .models import ModelShape, build
+    from .plan.models import ModelShape, build
 
     geo = build(ModelShape(layers=1, kv_heads=2, head_dim=8, block_size=4, num_blocks=4), 1, 0)
     plan = plan_rank(geo, {0: geo})

@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 from . import handshake as hs, protocol as P
-from .descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
-from .geometry import GeometryError, validate
+from .plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from .plan.geometry import GeometryError, validate
 from .nixl_driver import DONE, TransferError
-from .planner import PlanError, RankPlan, consumers, plan_rank, targets
+from .plan.planner import PlanError, RankPlan, consumers, plan_rank, targets
 from .state import EngineRank, Peer, PeerLink, RequestError, Transfer, encode_notif
 
 log = logging.getLogger("kvxferd")

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .geometry import Geometry
+from .plan.geometry import Geometry
 from .protocol import DECODE_ERRORS
 
 HANDSHAKE_VERSION = 1

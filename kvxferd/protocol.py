@@ -9,7 +9,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from .geometry import Geometry
+from .plan.geometry import Geometry
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused

@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 
 from . import handshake as hs, protocol as P
-from .geometry import Geometry
+from .plan.geometry import Geometry
 from .memory import Mapping
-from .planner import RankPlan
+from .plan.planner import RankPlan
 from .rpc import ServerConnection
 
 NOTIF_PREFIX = b"KVX1"

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd import testing
-from kvxferd.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
-from kvxferd.geometry import ATTENTION, Geometry
-from kvxferd.models import ModelShape, build
-from kvxferd.planner import RankPlan, plan_rank
+from kvxferd.synthetic import testing
+from kvxferd.plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from kvxferd.plan.geometry import ATTENTION, Geometry
+from kvxferd.plan.models import ModelShape, build
+from kvxferd.plan.planner import RankPlan, plan_rank
 
 
 def allocate_blocks(geo: Geometry, num_tokens: int, rng: np.random.Generator) -> tuple[tuple[int, ...], ...]:
@@ -98,7 +98,7 @@ def run(p_shape: ModelShape, p_tp: int, d_shape: ModelShape, d_tp: int, num_toke
 
 
 def _targets(geo: Geometry, p_tp: int) -> tuple[int, ...]:
-    from kvxferd.planner import targets
+    from kvxferd.plan.planner import targets
     return targets(geo.tp_rank, geo.tp_size, p_tp)
 
 

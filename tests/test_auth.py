@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from kvxferd import protocol as P
-from kvxferd.demo import Cluster, DaemonProcess, DemoError, EngineProcess
-from kvxferd.models import PRESETS
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
+from kvxferd.plan.models import PRESETS
 from kvxferd.rpc import Client, DaemonError
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)

@@ -15,12 +15,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvxferd import handshake as hs, protocol as P
-from kvxferd.demo import Cluster
-from kvxferd.descriptors import RequestBlocks, request_indices
-from kvxferd.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
+from kvxferd.synthetic.demo import Cluster
+from kvxferd.plan.descriptors import RequestBlocks, request_indices
+from kvxferd.plan.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
 from kvxferd.memory import create_shm
-from kvxferd.models import PRESETS, build
-from kvxferd.planner import PlanError, plan_rank
+from kvxferd.plan.models import PRESETS, build
+from kvxferd.plan.planner import PlanError, plan_rank
 from kvxferd.rpc import Client, DaemonError, FrameError, FrameReader
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)

@@ -74,7 +74,7 @@ def test_config_precedence(tmp_path):
 
 
 def test_serve_from_config_file(tmp_path):
-    from kvxferd.demo import DaemonProcess
+    from kvxferd.synthetic.demo import DaemonProcess
     from kvxferd.rpc import Client
 
     sock = tmp_path / "s" / "k.sock"

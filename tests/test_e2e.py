@@ -1,12 +1,12 @@
 """End to end: two daemons and two synthetic engines in separate processes, real NIXL over
 loopback, real ZMQ and Unix sockets. The decode engine verifies every byte that arrives
-against what it would hold had it computed the cache itself (kvxferd.engine)."""
+against what it would hold had it computed the cache itself (kvxferd.synthetic.engine)."""
 
 import msgspec
 import pytest
 
-from kvxferd.demo import Cluster, run_demo
-from kvxferd.models import PRESETS, ModelShape
+from kvxferd.synthetic.demo import Cluster, run_demo
+from kvxferd.plan.models import PRESETS, ModelShape
 
 replace = msgspec.structs.replace
 DENSE = replace(PRESETS["dense"], num_blocks=128, layers=2)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import scenario
-from kvxferd import testing
-from kvxferd.descriptors import RequestBlocks, group_chunks, region_addresses, remote_descs, request_indices
-from kvxferd.geometry import STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View
-from kvxferd.models import ModelShape, build, state_pages
-from kvxferd.planner import GroupPairing, PlanError, consumers, plan_rank, targets
+from kvxferd.synthetic import testing
+from kvxferd.plan.descriptors import RequestBlocks, group_chunks, region_addresses, remote_descs, request_indices
+from kvxferd.plan.geometry import STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View
+from kvxferd.plan.models import ModelShape, build, state_pages
+from kvxferd.plan.planner import GroupPairing, PlanError, consumers, plan_rank, targets
 
 
 def plan_for(shape, p_tp, d_tp, rank, merge=True):
@@ -198,7 +198,7 @@ def test_mismatched_models_refused():
 # --- negative controls: the checker catches what a wrong plan does -----------
 
 def test_checker_catches_a_shifted_piece(monkeypatch):
-    import kvxferd.planner as planner
+    import kvxferd.plan.planner as planner
     real = planner._pieces
 
     def off_by_one_head(*args):

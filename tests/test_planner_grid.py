@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import scenario
-from kvxferd.models import ModelShape
-from kvxferd.planner import consumers
+from kvxferd.plan.models import ModelShape
+from kvxferd.plan.planner import consumers
 
 TPS = [1, 2, 4, 8]
 replace = msgspec.structs.replace

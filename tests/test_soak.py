@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from kvxferd.client import RemoteRef
-from kvxferd.demo import Cluster, DaemonProcess, EngineProcess
-from kvxferd.models import PRESETS
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
+from kvxferd.plan.models import PRESETS
 
 REQUESTS = int(os.environ.get("KVXFERD_SOAK_REQUESTS", "1000"))
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=512, layers=2)

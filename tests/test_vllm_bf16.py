@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.demo import DaemonProcess
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import VllmServer, handoff, prompts
 from vllm_world import daemon_status, model, start, text
 

@@ -8,9 +8,9 @@ what the decode rank holds after the descriptors were copied as NIXL pairs them.
 import numpy as np
 import pytest
 
-from kvxferd.descriptors import RequestBlocks
-from kvxferd.geometry import GeometryError, shard
-from kvxferd.planner import PlanError, plan_rank, targets
+from kvxferd.plan.descriptors import RequestBlocks
+from kvxferd.plan.geometry import GeometryError, shard
+from kvxferd.plan.planner import PlanError, plan_rank, targets
 from kvxferd.vllm import layout
 
 from scenario import execute
@@ -107,13 +107,13 @@ def test_shared_layers_are_one_region():
 @pytest.mark.parametrize("name,canonical", [("bfloat16", "bf16"), ("torch.float16", "fp16"), ("float32", "fp32"),
                                             ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("half", "fp16")])
 def test_vllm_dtype_names(name, canonical):
-    from kvxferd import dtypes
-    from kvxferd.models import ModelShape, build
+    from kvxferd.plan import dtypes
+    from kvxferd.plan.models import ModelShape, build
     assert dtypes.canonical(name) == canonical
     assert build(ModelShape(dtype=name), 1, 0).dtype == canonical
 
 
 def test_unknown_dtype_names_the_choices():
-    from kvxferd import dtypes
+    from kvxferd.plan import dtypes
     with pytest.raises(GeometryError, match="unknown dtype 'int3'.*bfloat16"):
         dtypes.canonical("int3")

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from kvxferd.demo import DaemonProcess
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import ProxyProcess, VllmServer, free_port, handoff, prompts
 from vllm_world import daemon_status, model, start, text, wait_until
 

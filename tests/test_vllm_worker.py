@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.demo import DaemonProcess
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.memory import buffer_address, create_shm
-from kvxferd.models import ModelShape, build
+from kvxferd.plan.models import ModelShape, build
 from kvxferd.protocol import RemoteRef
 from kvxferd.vllm import worker as worker_mod
 from kvxferd.vllm.handoff import HoldOrder, Orders, ReadOrder

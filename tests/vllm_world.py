@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from kvxferd.demo import DaemonProcess
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.rpc import Client
 from kvxferd import protocol as P
 from kvxferd.vllm.launcher import VllmServer, make_model

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from ..client import AsyncEngineClient, RemoteRef
-from ..models import ModelShape, build
+from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, pct
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=8192)

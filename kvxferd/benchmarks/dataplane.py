@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..client import RemoteRef
-from ..models import ModelShape, build
+from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, median
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from ..client import RemoteRef
-from ..models import build
+from ..plan.models import build
 from .harness import BenchEngine, daemons, rss_mb
 from .plan import LLAMA70B
 

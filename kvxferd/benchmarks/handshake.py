@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from ..client import RemoteRef
-from ..models import ModelShape, build
+from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, median
 
 SHAPE = ModelShape(layers=32, kv_heads=8, head_dim=128, block_size=16, num_blocks=1024)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from ..client import EngineClient
-from ..demo import DaemonProcess
-from ..geometry import Geometry
+from ..synthetic.demo import DaemonProcess
+from ..plan.geometry import Geometry
 from ..memory import create_shm
 
 

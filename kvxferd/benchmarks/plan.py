@@ -13,9 +13,9 @@ import tracemalloc
 
 import numpy as np
 
-from ..descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
-from ..models import ModelShape, build
-from ..planner import plan_rank, targets
+from ..plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from ..plan.models import ModelShape, build
+from ..plan.planner import plan_rank, targets
 
 LLAMA70B = ModelShape(layers=80, kv_heads=8, head_dim=128, dtype="bf16", block_size=16, num_blocks=30_000)
 

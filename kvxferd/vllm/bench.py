@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..demo import DaemonProcess
+from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, stream
 
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..demo import DaemonProcess
+from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, ProxyProcess, VllmServer, make_model, stream
 
 PROMPTS = [

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import dtypes
-from ..geometry import ATTENTION, UNIT_SEALED, CacheGroup, Geometry, GeometryError, Region, Segment, View, \
+from ..plan import dtypes
+from ..plan.geometry import ATTENTION, UNIT_SEALED, CacheGroup, Geometry, GeometryError, Region, Segment, View, \
     shard, validate
 
 

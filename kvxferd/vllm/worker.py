@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..client import EngineClient, MemoryHandle
-from ..geometry import Geometry
+from ..plan.geometry import Geometry
 from ..rpc import DaemonError
 from .handoff import HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer

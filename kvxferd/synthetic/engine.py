@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import testing
-from .client import EngineClient, MemoryHandle, RemoteRef
-from .geometry import ATTENTION, Geometry
-from .memory import create_shm
-from .models import ModelShape, build
+from ..client import EngineClient, MemoryHandle, RemoteRef
+from ..plan.geometry import ATTENTION, Geometry
+from ..memory import create_shm
+from ..plan.models import ModelShape, build
 
 
 class VerificationError(AssertionError):
@@ -88,13 +88,13 @@ class SyntheticEngine:
         if device == "cuda-ipc":
             import torch
 
-            from .memory import export_cuda
+            from ..memory import export_cuda
             bufs = [torch.full((size,), testing.POISON, dtype=torch.uint8, device="cuda") for size in geo.buffers]
             torch.cuda.synchronize()
             memory = [MemoryHandle("cuda_ipc", size, 0, export_cuda(t)) for size, t in zip(geo.buffers, bufs)]
             self.side_channel = client.register(geo, memory=memory)
         else:
-            from .memory import VmmBuffer
+            from ..memory import VmmBuffer
             bufs = [VmmBuffer(size) for size in geo.buffers]
             for b, v in zip(bufs, views):
                 b.write(np.resize(v, b.nbytes))

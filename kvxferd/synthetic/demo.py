@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from .client import RemoteRef
-from .models import ModelShape
+from ..client import RemoteRef
+from ..plan.models import ModelShape
 
 
 class DemoError(RuntimeError):
@@ -110,7 +110,7 @@ class DaemonProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        from .rpc import Client, DaemonError
+        from ..rpc import Client, DaemonError
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -200,8 +200,8 @@ class Cluster:
         return out
 
     def status(self, which: int) -> dict:
-        from .rpc import Client
-        from . import protocol as P
+        from ..rpc import Client
+        from .. import protocol as P
 
         with Client(self.daemons[which].socket) as c:
             return c.call(P.StatusQuery()).status
