@@ -6,7 +6,6 @@ import json
 import sys
 import tomllib
 from pathlib import Path
-from typing import Optional
 
 import msgspec
 import typer
@@ -35,19 +34,19 @@ def plan(
     model: str = typer.Option("dense", help="Preset to start from: dense, mla, mamba2, gdn, gemma4."),
     p_tp: int = typer.Option(2, "--p-tp", help="Prefill tensor-parallel size."),
     d_tp: int = typer.Option(4, "--d-tp", help="Decode tensor-parallel size."),
-    layers: Optional[int] = typer.Option(None, help="Attention layers."),
-    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads (total)."),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim"),
-    dtype: Optional[str] = typer.Option(None, help="fp8, bf16, fp16, fp32."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block on both sides."),
-    p_block_size: Optional[int] = typer.Option(None, "--p-block-size"),
-    d_block_size: Optional[int] = typer.Option(None, "--d-block-size"),
-    kernel_block_size: Optional[int] = typer.Option(None, "--kernel-block-size"),
-    layout: Optional[str] = typer.Option(None, help="hnd, nhd or blocks-first."),
+    layers: int | None = typer.Option(None, help="Attention layers."),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads (total)."),
+    head_dim: int | None = typer.Option(None, "--head-dim"),
+    dtype: str | None = typer.Option(None, help="fp8, bf16, fp16, fp32."),
+    block_size: int | None = typer.Option(None, "--block-size", help="Tokens per block on both sides."),
+    p_block_size: int | None = typer.Option(None, "--p-block-size"),
+    d_block_size: int | None = typer.Option(None, "--d-block-size"),
+    kernel_block_size: int | None = typer.Option(None, "--kernel-block-size"),
+    layout: str | None = typer.Option(None, help="hnd, nhd or blocks-first."),
     mla: bool = typer.Option(False, "--mla", help="MLA latent cache (same as --model mla)."),
-    num_blocks: Optional[int] = typer.Option(None, "--num-blocks"),
-    rank: Optional[int] = typer.Option(None, help="Only this decode rank."),
-    file: Optional[Path] = typer.Option(None, "--file", "-f", help="JSON or TOML with [prefill] and [decode]."),
+    num_blocks: int | None = typer.Option(None, "--num-blocks"),
+    rank: int | None = typer.Option(None, help="Only this decode rank."),
+    file: Path | None = typer.Option(None, "--file", "-f", help="JSON or TOML with [prefill] and [decode]."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (docs/plan.md)."),
 ) -> None:
     """Explain the transfer plan between a prefill and a decode engine, offline."""
@@ -179,7 +178,7 @@ def bench_vllm(
     requests: int = typer.Option(8, help="Requests per case and round (at least the concurrency)."),
     max_tokens: int = typer.Option(16, "--max-tokens"),
     idle_s: float = typer.Option(5.0, "--idle-s", help="Idle window for the CPU measurement."),
-    workdir: Optional[Path] = typer.Option(None, help="Where logs go (default: a temporary directory)."),
+    workdir: Path | None = typer.Option(None, help="Where logs go (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Real vLLM P/D through kvxferd vs vLLM's NixlConnector: TTFT, decode TTFT, requests/s, idle CPU."""
@@ -196,24 +195,24 @@ def bench_vllm(
 
 @app.command()
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file."),
-    socket: Optional[str] = typer.Option(None, "--socket", help="Unix socket engines connect to."),
-    socket_mode: Optional[str] = typer.Option(None, "--socket-mode", help="Octal mode of the socket (0600)."),
-    side_channel_host: Optional[str] = typer.Option(None, "--side-channel-host", help="Handshake bind address."),
-    side_channel_port: Optional[int] = typer.Option(None, "--side-channel-port", help="Handshake port (0: any)."),
-    advertise_host: Optional[str] = typer.Option(None, "--advertise-host", help="Address peers dial."),
-    metrics_host: Optional[str] = typer.Option(None, "--metrics-host"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="-1 disables the exporter."),
-    backend: Optional[list[str]] = typer.Option(None, "--backend", help="NIXL backend (repeatable)."),
-    ucx: Optional[list[str]] = typer.Option(None, "--ucx", help="UCX option KEY=VALUE (repeatable)."),
-    handshake_timeout: Optional[float] = typer.Option(None, "--handshake-timeout"),
-    curve_secret_key: Optional[str] = typer.Option(None, "--curve-secret-key", help="CurveZMQ keypair file."),
-    curve_authorized_keys: Optional[str] = typer.Option(None, "--curve-authorized-keys",
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML configuration file."),
+    socket: str | None = typer.Option(None, "--socket", help="Unix socket engines connect to."),
+    socket_mode: str | None = typer.Option(None, "--socket-mode", help="Octal mode of the socket (0600)."),
+    side_channel_host: str | None = typer.Option(None, "--side-channel-host", help="Handshake bind address."),
+    side_channel_port: int | None = typer.Option(None, "--side-channel-port", help="Handshake port (0: any)."),
+    advertise_host: str | None = typer.Option(None, "--advertise-host", help="Address peers dial."),
+    metrics_host: str | None = typer.Option(None, "--metrics-host"),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="-1 disables the exporter."),
+    backend: list[str] | None = typer.Option(None, "--backend", help="NIXL backend (repeatable)."),
+    ucx: list[str] | None = typer.Option(None, "--ucx", help="UCX option KEY=VALUE (repeatable)."),
+    handshake_timeout: float | None = typer.Option(None, "--handshake-timeout"),
+    curve_secret_key: str | None = typer.Option(None, "--curve-secret-key", help="CurveZMQ keypair file."),
+    curve_authorized_keys: str | None = typer.Option(None, "--curve-authorized-keys",
                                                         help="Directory of peers' public keys."),
-    allowed_uid: Optional[list[int]] = typer.Option(None, "--allowed-uid", help="SO_PEERCRED allow-list."),
-    name: Optional[str] = typer.Option(None, "--name", help="NIXL agent name prefix."),
-    log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json."),
-    log_level: Optional[str] = typer.Option(None, "--log-level"),
+    allowed_uid: list[int] | None = typer.Option(None, "--allowed-uid", help="SO_PEERCRED allow-list."),
+    name: str | None = typer.Option(None, "--name", help="NIXL agent name prefix."),
+    log_format: str | None = typer.Option(None, "--log-format", help="text or json."),
+    log_level: str | None = typer.Option(None, "--log-level"),
 ) -> None:
     """Run the daemon (configuration: file < KVXFERD_* environment < flags)."""
     import asyncio
@@ -276,7 +275,7 @@ def proxy(
     decode: list[str] = typer.Option(..., "--decode", help="Decode vLLM server (repeatable)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address clients connect to."),
     port: int = typer.Option(8000, "--port"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVXFERD_PROXY_API_KEY",
+    api_key: str | None = typer.Option(None, "--api-key", envvar="KVXFERD_PROXY_API_KEY",
                                           help="Bearer key sent to the upstreams (default: forward the "
                                                "client's Authorization header)."),
     connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect to an upstream."),
@@ -311,8 +310,8 @@ def demo(
     model: str = typer.Option("dense", help="Preset: dense, mla, mamba2, gdn, gemma4."),
     p_tp: int = typer.Option(2, "--p-tp"),
     d_tp: int = typer.Option(4, "--d-tp"),
-    requests: Optional[int] = typer.Option(None, "--requests", "-n", help="Default: 64 synthetic, 8 vllm."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
+    requests: int | None = typer.Option(None, "--requests", "-n", help="Default: 64 synthetic, 8 vllm."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens",
                                              help="Synthetic: longest prompt (default 200); vllm: tokens generated "
                                                   "(default 24)."),
     hit_ratio: float = typer.Option(0.3, "--hit-ratio", help="Share of requests with a partial prefix hit."),
@@ -331,8 +330,8 @@ def demo(
     if engine != "synthetic":
         fail(f"unknown engine {engine!r}; synthetic or vllm")
     requests, max_tokens = requests or 64, max_tokens or 200
-    from .synthetic.demo import DemoError, run_demo
     from .plan.models import PRESETS
+    from .synthetic.demo import DemoError, run_demo
 
     if model not in PRESETS:
         fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")

@@ -15,7 +15,7 @@ from . import protocol as P
 from .plan.geometry import Geometry
 from .rpc import AsyncClient, Client, DaemonError
 
-__all__ = ["EngineClient", "AsyncEngineClient", "DaemonError", "RemoteRef", "Completion", "MemoryHandle"]
+__all__ = ["AsyncEngineClient", "Completion", "DaemonError", "EngineClient", "MemoryHandle", "RemoteRef"]
 
 RemoteRef = P.RemoteRef
 Completion = P.Completion
@@ -73,7 +73,7 @@ class EngineClient:
     def close(self) -> None:
         self.rpc.close()
 
-    def __enter__(self) -> "EngineClient":
+    def __enter__(self) -> EngineClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,7 +87,7 @@ class AsyncEngineClient:
         self.rpc, self.engine_id, self.rank, self.tp_size = rpc, engine_id, rank, tp_size
 
     @classmethod
-    async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> "AsyncEngineClient":
+    async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> AsyncEngineClient:
         return cls(await AsyncClient.connect(socket_path, f"{engine_id}/{rank}"), engine_id, rank, tp_size)
 
     async def register(self, geometry: Geometry, shm_fds: list[int] = (), memory: list[P.MemoryHandle] = (),

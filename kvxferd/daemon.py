@@ -17,23 +17,25 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from . import __version__, handshake as hs, protocol as P
+from . import __version__
+from . import handshake as hs
+from . import protocol as P
 from .config import Config
 from .decode_side import DecodeSide
-from .plan.descriptors import RequestBlocks, local_descs, region_addresses, request_indices
-from .plan.geometry import Geometry, GeometryError, validate
 from .memory import Mapping, MappingError, map_cuda, map_cuda_vmm, map_shm
 from .metrics import Metrics, serve_http
+from .nixl_driver import NixlDriver
+from .plan.descriptors import RequestBlocks, local_descs, region_addresses, request_indices
+from .plan.geometry import Geometry, GeometryError, validate
 from .plan.planner import plan_rank
 from .prefill_side import PrefillSide
 from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
-from .nixl_driver import NixlDriver
 from .state import EngineRank, Held, Peer, RequestError, Transfer, decode_notif, encode_notif
 
 log = logging.getLogger("kvxferd")
 
-__all__ = ["Daemon", "run", "encode_notif", "decode_notif"]
+__all__ = ["Daemon", "decode_notif", "encode_notif", "run"]
 
 class Daemon(PrefillSide, DecodeSide):
     def __init__(self, cfg: Config) -> None:
@@ -173,7 +175,7 @@ class Daemon(PrefillSide, DecodeSide):
         if not er.completions:  # one may have arrived before this task first ran
             try:
                 await asyncio.wait_for(er.wakeup.wait(), min(msg.wait_s, 60.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self.metrics.rpc.labels("poll", "ok").inc()
         self.metrics.rpc_seconds.labels("poll").observe(time.perf_counter() - t0)

@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
-from . import handshake as hs, protocol as P
+from . import handshake as hs
+from . import protocol as P
+from .nixl_driver import DONE, TransferError
 from .plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
 from .plan.geometry import GeometryError, validate
-from .nixl_driver import DONE, TransferError
 from .plan.planner import PlanError, RankPlan, consumers, plan_rank, targets
 from .state import EngineRank, Peer, PeerLink, RequestError, Transfer, encode_notif
 
@@ -70,7 +71,7 @@ class DecodeSide:
             if t.peer is not None:
                 self._retire_peer(t.peer, str(exc))
             self._fail(t, "engine_gone" if t.engine.closing else "transfer", str(exc))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._fail(t, "deadline", "deadline passed while waiting for the handshake")
         except Exception as exc:
             log.exception("read %s failed unexpectedly", t.request_id)
@@ -104,7 +105,7 @@ class DecodeSide:
             asyncio.get_running_loop().create_task(self._handshake(peer, ref))
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise asyncio.TimeoutError()
+            raise TimeoutError()
         await asyncio.wait_for(asyncio.shield(peer.ready), remaining)
         if peer.ranks and next(iter(peer.ranks.values())).tp_size != ref.tp_size:
             raise PlanError(f"remote engine {ref.engine_id} runs TP {next(iter(peer.ranks.values())).tp_size}, "
@@ -309,7 +310,7 @@ class DecodeSide:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.cfg.idle_poll_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     def _next_poll(self, now: float) -> float:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
-from . import handshake as hs, protocol as P
+from . import handshake as hs
+from . import protocol as P
 from .state import Held, RequestError, decode_notif
 
 log = logging.getLogger("kvxferd")

@@ -209,7 +209,7 @@ class _Proxy:
             try:
                 async with self.session.post(p_url + request.path, json=prefill_body(body), headers=headers) as up:
                     status, raw = up.status, await up.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 return self._failed(prefill, p_url, exc, request_id)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         if status != 200:
@@ -239,7 +239,7 @@ class _Proxy:
                     if body.get("stream"):
                         return await self._stream(request, up, request_id, t0, p_url, prefill_ms, d_url)
                     raw = await up.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 return self._failed(decode, d_url, exc, request_id)
         self._log_first_byte(request_id, t0, p_url, prefill_ms, d_url)
         return web.Response(body=raw, status=up.status, headers={
@@ -257,7 +257,7 @@ class _Proxy:
             while True:
                 try:
                     chunk = await up.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self._failed(self.router.decode, d_url, exc, request_id)
                     event = {"error": {"message": f"decode upstream {d_url} failed mid-stream: "
                                                   f"{type(exc).__name__}: {exc}", "type": "upstream_unavailable",
@@ -292,7 +292,7 @@ class _Proxy:
                     raw = await up.read()
                     return web.Response(body=raw, status=up.status, headers={
                         "Content-Type": up.headers.get("Content-Type", "application/json")})
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 return self._failed(self.router.decode, url, exc, request_id)
 
     async def _probe(self, url: str) -> str:
@@ -301,7 +301,7 @@ class _Proxy:
             async with self.session.get(url + "/health", headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=self.health_timeout)) as up:
                 return "ok" if up.status == 200 else f"HTTP {up.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no answer within {self.health_timeout:g} s"
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}: {exc}"

@@ -271,7 +271,7 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -289,7 +289,7 @@ class AsyncClient:
         self.daemon = ""
 
     @classmethod
-    async def connect(cls, path: str, client: str = "") -> "AsyncClient":
+    async def connect(cls, path: str, client: str = "") -> AsyncClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from . import handshake as hs, protocol as P
-from .plan.geometry import Geometry
+from . import handshake as hs
+from . import protocol as P
 from .memory import Mapping
+from .plan.geometry import Geometry
 from .plan.planner import RankPlan
 from .rpc import ServerConnection
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.synthetic import testing
 from kvxferd.plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
 from kvxferd.plan.geometry import ATTENTION, Geometry
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.plan.planner import RankPlan, plan_rank
+from kvxferd.synthetic import testing
 
 
 def allocate_blocks(geo: Geometry, num_tokens: int, rng: np.random.Generator) -> tuple[tuple[int, ...], ...]:

@@ -2,20 +2,17 @@
 allow-list) and the side channel (CurveZMQ: an unauthenticated peer is refused and counted)."""
 
 import os
-import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvxferd import protocol as P
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 from kvxferd.plan.models import PRESETS
 from kvxferd.rpc import Client, DaemonError
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 

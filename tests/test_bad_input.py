@@ -5,23 +5,22 @@ the daemon stays up and serves the next valid request."""
 import os
 import socket
 import struct
-import tempfile
-from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvxferd import handshake as hs, protocol as P
-from kvxferd.synthetic.demo import Cluster
+from kvxferd import handshake as hs
+from kvxferd import protocol as P
+from kvxferd.memory import create_shm
 from kvxferd.plan.descriptors import RequestBlocks, request_indices
 from kvxferd.plan.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
-from kvxferd.memory import create_shm
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.plan.planner import PlanError, plan_rank
 from kvxferd.rpc import Client, DaemonError, FrameError, FrameReader
+from kvxferd.synthetic.demo import Cluster
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 DECODE_ERRORS = P.DECODE_ERRORS
@@ -126,8 +125,8 @@ def test_geometry_validation_and_planning_never_crash(geo, blocks, num_tokens):
         ids = RequestBlocks.of(num_tokens, [blocks] * len(geo.groups), [blocks] * len(geo.groups))
         for rank, (lids, rids) in request_indices(plan, ids).items():
             peer = plan.peers[rank]
-            assert 0 <= lids.min() and lids.max() < peer.num_local_descs
-            assert 0 <= rids.min() and rids.max() < peer.num_remote_descs
+            assert lids.min() >= 0 and lids.max() < peer.num_local_descs
+            assert rids.min() >= 0 and rids.max() < peer.num_remote_descs
     except PlanError:
         pass
 
@@ -159,7 +158,7 @@ def raw(c: Cluster, payload: bytes, close: bool = True) -> bytes:
     try:
         while chunk := s.recv(65536):
             out += chunk
-    except socket.timeout:
+    except TimeoutError:
         pass
     s.close()
     return out

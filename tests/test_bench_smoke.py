@@ -4,7 +4,6 @@ reported by `kvxferd bench` as ratios against baselines measured in the same run
 import msgspec
 
 from kvxferd.benchmarks import control, dataplane, handshake, plan
-from kvxferd.plan.models import ModelShape
 
 
 def test_bench_data_runs():

@@ -5,8 +5,8 @@ against what it would hold had it computed the cache itself (kvxferd.synthetic.e
 import msgspec
 import pytest
 
+from kvxferd.plan.models import PRESETS
 from kvxferd.synthetic.demo import Cluster, run_demo
-from kvxferd.plan.models import PRESETS, ModelShape
 
 replace = msgspec.structs.replace
 DENSE = replace(PRESETS["dense"], num_blocks=128, layers=2)

@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from kvxferd.client import RemoteRef
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.plan.models import PRESETS
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)

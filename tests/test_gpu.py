@@ -15,8 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 from kvxferd.plan.models import PRESETS
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 
 pytestmark = pytest.mark.gpu
 replace = msgspec.structs.replace

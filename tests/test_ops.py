@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from kvxferd.client import RemoteRef
-from kvxferd.synthetic.demo import Cluster, DaemonProcess
 from kvxferd.plan.models import PRESETS
+from kvxferd.synthetic.demo import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -5,9 +5,10 @@ import itertools
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
-
 import scenario
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvxferd.plan.models import ModelShape
 from kvxferd.plan.planner import consumers
 

@@ -338,10 +338,9 @@ def test_unreachable_upstream_is_502_naming_it():
 def test_health():
     async def go() -> None:
         dead = f"http://127.0.0.1:{closed_port()}"
-        async with stack() as s:
-            async with s.client.get(s.url + "/health") as r:
-                assert r.status == 200
-                assert await r.json() == {"prefill": {s.p.url: "ok"}, "decode": {s.d.url: "ok"}}
+        async with stack() as s, s.client.get(s.url + "/health") as r:
+            assert r.status == 200
+            assert await r.json() == {"prefill": {s.p.url: "ok"}, "decode": {s.d.url: "ok"}}
         async with stack(n_prefill=2, n_decode=0, extra_decode=(dead,)) as s:
             await s.prefill[1].stop()
             async with s.client.get(s.url + "/health") as r:

@@ -10,11 +10,10 @@ import time
 from collections import Counter
 
 import msgspec
-import pytest
 
 from kvxferd.client import RemoteRef
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.plan.models import PRESETS
+from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 REQUESTS = int(os.environ.get("KVXFERD_SOAK_REQUESTS", "1000"))
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=512, layers=2)

@@ -4,10 +4,10 @@ equal a single bf16 instance's, and every prompt block arrives."""
 from __future__ import annotations
 
 import pytest
+from vllm_world import daemon_status, model, start, text
 
 from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import VllmServer, handoff, prompts
-from vllm_world import daemon_status, model, start, text
 
 pytestmark = pytest.mark.vllm
 

@@ -7,13 +7,12 @@ what the decode rank holds after the descriptors were copied as NIXL pairs them.
 
 import numpy as np
 import pytest
+from scenario import execute
 
 from kvxferd.plan.descriptors import RequestBlocks
 from kvxferd.plan.geometry import GeometryError, shard
 from kvxferd.plan.planner import PlanError, plan_rank, targets
 from kvxferd.vllm import layout
-
-from scenario import execute
 
 LAYERS, BLOCKS, BS, HD, ITEM = 3, 12, 4, 8, 2  # bf16
 

@@ -16,10 +16,10 @@ import json
 import urllib.request
 
 import pytest
+from vllm_world import daemon_status, model, start, text, wait_until
 
 from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import ProxyProcess, VllmServer, free_port, handoff, prompts
-from vllm_world import daemon_status, model, start, text, wait_until
 
 pytestmark = pytest.mark.vllm
 

@@ -4,16 +4,16 @@ dies and comes back while the engine is idle."""
 from __future__ import annotations
 
 import pytest
+from vllm_world import daemon_status, wait_until
 
-from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.memory import buffer_address, create_shm
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.protocol import RemoteRef
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm import worker as worker_mod
 from kvxferd.vllm.handoff import HoldOrder, Orders, ReadOrder
 from kvxferd.vllm.shared_kv import SharedBuffer
 from kvxferd.vllm.worker import WorkerSide
-from vllm_world import daemon_status, wait_until
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
 

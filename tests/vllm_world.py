@@ -7,9 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from kvxferd.synthetic.demo import DaemonProcess
-from kvxferd.rpc import Client
 from kvxferd import protocol as P
+from kvxferd.rpc import Client
+from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import VllmServer, make_model
 
 MODELS = Path(os.environ.get("KVXFERD_TEST_MODELS", Path.home() / ".cache" / "kvxferd" / "models"))

@@ -176,4 +176,4 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run", "render"]
+__all__ = ["render", "run"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from ..client import EngineClient
-from ..synthetic.demo import DaemonProcess
-from ..plan.geometry import Geometry
 from ..memory import create_shm
+from ..plan.geometry import Geometry
+from ..synthetic.demo import DaemonProcess
 
 
 def median(xs) -> float:

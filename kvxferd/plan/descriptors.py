@@ -81,7 +81,7 @@ class RequestBlocks:
     remote: tuple[np.ndarray, ...]
 
     @classmethod
-    def of(cls, num_tokens: int, local, remote) -> "RequestBlocks":
+    def of(cls, num_tokens: int, local, remote) -> RequestBlocks:
         return cls(num_tokens, tuple(np.asarray(b, dtype=np.int64) for b in local),
                    tuple(np.asarray(b, dtype=np.int64) for b in remote))
 

@@ -24,8 +24,18 @@ import msgspec
 
 from . import dtypes
 from .geometry import (
-    ATTENTION, STATE, TOKEN_MAJOR, UNIT_MAJOR,
-    CacheGroup, Geometry, GeometryError, Region, Segment, View, shard, validate,
+    ATTENTION,
+    STATE,
+    TOKEN_MAJOR,
+    UNIT_MAJOR,
+    CacheGroup,
+    Geometry,
+    GeometryError,
+    Region,
+    Segment,
+    View,
+    shard,
+    validate,
 )
 
 

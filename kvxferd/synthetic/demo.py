@@ -200,8 +200,8 @@ class Cluster:
         return out
 
     def status(self, which: int) -> dict:
-        from ..rpc import Client
         from .. import protocol as P
+        from ..rpc import Client
 
         with Client(self.daemons[which].socket) as c:
             return c.call(P.StatusQuery()).status
@@ -214,7 +214,7 @@ class Cluster:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:

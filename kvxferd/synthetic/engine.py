@@ -8,17 +8,17 @@ arrived against a shadow copy of what the rank should hold).
 
 from __future__ import annotations
 
-import time
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import testing
 from ..client import EngineClient, MemoryHandle, RemoteRef
-from ..plan.geometry import ATTENTION, Geometry
 from ..memory import create_shm
+from ..plan.geometry import ATTENTION, Geometry
 from ..plan.models import ModelShape, build
+from . import testing
 
 
 class VerificationError(AssertionError):

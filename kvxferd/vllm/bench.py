@@ -20,11 +20,11 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, stream

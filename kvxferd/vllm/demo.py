@@ -11,10 +11,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, ProxyProcess, VllmServer, make_model, stream

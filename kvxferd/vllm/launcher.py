@@ -119,7 +119,7 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 600.0) -> "VllmServer":
+    def wait_ready(self, timeout: float = 600.0) -> VllmServer:
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

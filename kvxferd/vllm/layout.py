@@ -22,8 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import dtypes
-from ..plan.geometry import ATTENTION, UNIT_SEALED, CacheGroup, Geometry, GeometryError, Region, Segment, View, \
-    shard, validate
+from ..plan.geometry import (
+    ATTENTION,
+    UNIT_SEALED,
+    CacheGroup,
+    Geometry,
+    GeometryError,
+    Region,
+    Segment,
+    View,
+    shard,
+    validate,
+)
 
 
 @dataclass(frozen=True)

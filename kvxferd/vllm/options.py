@@ -16,7 +16,7 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     side_channel: str = ""  # prefill: host:port decoders dial; default: what the daemon says
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorOptions":
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
         try:
             return msgspec.convert(dict(extra), cls, strict=False)
         except msgspec.ValidationError as exc:

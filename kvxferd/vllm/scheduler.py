@@ -12,10 +12,19 @@ Duck-typed over vLLM's Request and KVCacheBlocks so it is tested without vLLM.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .handoff import HandoffError, HoldOrder, Orders, RemotePrefill, parse_remote, prefill_params, \
-    read_order, release_order
+from .handoff import (
+    HandoffError,
+    HoldOrder,
+    Orders,
+    RemotePrefill,
+    parse_remote,
+    prefill_params,
+    read_order,
+    release_order,
+)
 
 log = logging.getLogger("kvxferd.vllm")
 

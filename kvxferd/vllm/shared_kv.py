@@ -19,8 +19,9 @@ import gc
 import logging
 import mmap
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 log = logging.getLogger("kvxferd.vllm")
 
@@ -76,7 +77,6 @@ def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[Sha
 def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]]:
     """Every live tensor on one of `storages`, each once: the known ones and a one-time gc scan."""
     import torch
-
     from torch._subclasses.fake_tensor import FakeTensor  # compile-time stand-ins own no memory
 
     found: dict[int, dict[int, Any]] = {ptr: {} for ptr in storages}

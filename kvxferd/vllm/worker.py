@@ -21,8 +21,8 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..client import EngineClient, MemoryHandle
 from ..plan.geometry import Geometry
