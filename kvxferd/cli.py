@@ -6,11 +6,15 @@ import json
 import sys
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 import typer
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .plan.models import ModelShape
 
 app = typer.Typer(help="kvxferd: KV-cache transfer sidecar daemon for disaggregated LLM serving.",
                   no_args_is_help=True, add_completion=False)
@@ -18,7 +22,7 @@ bench_app = typer.Typer(help="Benchmarks; each prints a table, or JSON with --js
 app.add_typer(bench_app, name="bench")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     typer.echo(f"kvxferd: {message}", err=True)
     raise typer.Exit(2)
 
@@ -82,7 +86,7 @@ def plan(
     typer.echo(json.dumps(doc, indent=2) if as_json else render_table(doc))
 
 
-def _plan_file(path: Path):
+def _plan_file(path: Path) -> tuple[ModelShape, ModelShape, int, int]:
     from .plan.models import ModelShape
 
     raw = path.read_bytes()
@@ -359,7 +363,9 @@ def _demo_vllm(requests: int, max_tokens: int, repeat: int, as_json: bool) -> No
     from .vllm.demo import run
     from .vllm.launcher import LaunchError
 
-    say = (lambda m: typer.echo(m, err=True))
+    def say(m: str) -> None:
+        typer.echo(m, err=True)
+
     say(f"kvxferd demo: real vLLM prefill -> decode through kvxferd, {requests} prompts")
     try:
         result = run(requests, max_tokens, repeat, say=say)

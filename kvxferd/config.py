@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -50,9 +52,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 _ENV_PREFIX = "KVXFERD_"
 
 
-def load(path: str | None = None, env: dict[str, str] | None = None, **flags) -> Config:
+def load(path: str | None = None, env: Mapping[str, str] | None = None, **flags: Any) -> Config:
     """Build a Config; unknown keys and bad types raise ConfigError naming the key."""
-    data: dict = {}
+    data: dict[str, Any] = {}
     if path:
         try:
             data.update(tomllib.loads(Path(path).read_text()))
@@ -72,7 +74,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, **flags) ->
         raise ConfigError(f"invalid configuration: {exc}") from None
 
 
-def _env_value(key: str, value: str):
+def _env_value(key: str, value: str) -> str | list[str] | dict[str, str]:
     field = key[len(_ENV_PREFIX):].lower()
     if field in ("backends", "allowed_uids"):
         return [v for v in value.split(",") if v]

@@ -12,6 +12,11 @@ import ctypes
 import mmap
 import os
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class MappingError(RuntimeError):
@@ -64,7 +69,7 @@ def map_shm(fd: int, nbytes: int) -> Mapping:
     return Mapping("DRAM", buffer_address(buf), nbytes, 0, buf)
 
 
-def export_cuda(tensor) -> bytes:
+def export_cuda(tensor: Any) -> bytes:  # a torch.Tensor on a CUDA device
     """Engine side: a CUDA IPC handle for a tensor's storage, as bytes for the wire."""
     import msgspec
 
@@ -100,7 +105,7 @@ def map_cuda(handle: bytes, nbytes: int) -> Mapping:
 #   daemon: cuMemImportFromShareableHandle(fd) -> cuMemAddressReserve -> cuMemMap -> register VRAM
 
 
-def _cu():
+def _cu() -> ModuleType:
     try:
         from cuda.bindings import driver as cu  # only here: the GPU path
     except ImportError as exc:
@@ -108,7 +113,7 @@ def _cu():
     return cu
 
 
-def _check(result, what: str):
+def _check(result: Any, what: str) -> Any:  # CUDA driver results and handles
     cu = _cu()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
@@ -116,7 +121,7 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def _context(device: int):
+def _context(device: int) -> None:
     cu = _cu()
     _check(cu.cuInit(0), "cuInit")
     dev = _check(cu.cuDeviceGet(device), "cuDeviceGet")
@@ -124,7 +129,7 @@ def _context(device: int):
     _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def _prop(device: int):
+def _prop(device: int) -> Any:  # a CUmemAllocationProp
     cu = _cu()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -134,7 +139,7 @@ def _prop(device: int):
     return prop
 
 
-def _map(handle, nbytes: int, device: int) -> int:
+def _map(handle: Any, nbytes: int, device: int) -> int:
     cu = _cu()
     gran = _check(cu.cuMemGetAllocationGranularity(
         _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
@@ -172,17 +177,17 @@ class VmmBuffer:
             self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
             "cuMemExportToShareableHandle"))
 
-    def write(self, data) -> None:
+    def write(self, data: np.ndarray) -> None:
         _check(_cu().cuMemcpyHtoD(self.address, data, data.nbytes), "cuMemcpyHtoD")
 
-    def read(self, out) -> None:
+    def read(self, out: np.ndarray) -> None:
         _check(_cu().cuMemcpyDtoH(out, self.address, out.nbytes), "cuMemcpyDtoH")
 
     def close(self) -> None:
         _unmap(self.address, self.nbytes, self.handle)
 
 
-def _unmap(address: int, nbytes: int, handle) -> None:
+def _unmap(address: int, nbytes: int, handle: Any) -> None:
     cu = _cu()
     cu.cuMemUnmap(address, nbytes)
     cu.cuMemAddressFree(address, nbytes)
@@ -190,7 +195,7 @@ def _unmap(address: int, nbytes: int, handle) -> None:
 
 
 class _VmmKeep:
-    def __init__(self, address: int, nbytes: int, handle) -> None:
+    def __init__(self, address: int, nbytes: int, handle: Any) -> None:
         self.address, self.nbytes, self.handle = address, nbytes, handle
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, stream
@@ -116,7 +117,7 @@ def run_case(setup: Setup, length: int, concurrency: int, requests: int, rng: ra
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 @dataclass
@@ -131,12 +132,13 @@ class Result:
         c["decode_ttft"] += [s.decode_ttft_s for s in samples]
         c["rps"].append(rps)
 
-    def table(self) -> list[dict]:
+    def table(self) -> list[dict[str, Any]]:
         rows = []
         for (length, conc), by in sorted(self.cases.items()):
-            row: dict = {"prompt_tokens": length, "concurrency": conc}
+            row: dict[str, Any] = {"prompt_tokens": length, "concurrency": conc}
             for name, c in by.items():
-                row[name] = {"ttft_ms_p50": 1e3 * statistics.median(c["ttft"]), "ttft_ms_p99": 1e3 * pct(c["ttft"], .99),
+                row[name] = {"ttft_ms_p50": 1e3 * statistics.median(c["ttft"]),
+                             "ttft_ms_p99": 1e3 * pct(c["ttft"], .99),
                              "decode_ttft_ms_p50": 1e3 * statistics.median(c["decode_ttft"]),
                              "requests_per_s": statistics.median(c["rps"]), "samples": len(c["ttft"])}
             if "kvxferd" in by and "nixl" in by:
@@ -154,7 +156,10 @@ def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
     p_daemon, d_daemon = DaemonProcess(wd, "kvxferd-prefill-daemon"), DaemonProcess(wd, "kvxferd-decode-daemon")
     for d in (p_daemon, d_daemon):
         stack.callback(d.stop)
-    nixl_env = lambda: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
+    def nixl_env() -> dict[str, str]:
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
     servers = {
         "kvxferd": (VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0"),
                     VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1")),
@@ -179,7 +184,12 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
     with ExitStack() as stack:
         say("starting 4 vLLM instances and 2 daemons (a few minutes on 2 cores)")
         setups = start_setups(workdir, model, stack)
-        stack.callback(lambda: [s.signal(signal.SIGCONT) for s in setups.values()])  # stoppable again
+
+        def resume_all() -> None:  # stoppable again
+            for s in setups.values():
+                s.signal(signal.SIGCONT)
+
+        stack.callback(resume_all)
         for s in setups.values():  # connect once, outside the measurement
             s.signal(signal.SIGCONT)
             run_case(s, 64, 1, 2, rng, 4)
@@ -204,7 +214,7 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
     return result
 
 
-def render(out: dict) -> str:
+def render(out: dict[str, Any]) -> str:
     lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s",
              "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"]
     for row in out["cases"]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..synthetic.demo import DaemonProcess
 from .launcher import DEFAULT_VENV, ProxyProcess, VllmServer, make_model, stream
@@ -49,7 +50,7 @@ class VllmDemoResult:
     rows: list[Row] = field(default_factory=list)
     bytes_read: int = 0
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         pd = [r.pd_ttft_s for r in self.rows]
         single = [r.single_ttft_s for r in self.rows]
         return {"prompts": len(self.rows), "matching": sum(r.match for r in self.rows),

@@ -116,5 +116,5 @@ def read_order(request_id: str, prefill: RemotePrefill, block_sizes: list[int], 
 
 
 def release_order(request_id: str, prefill: RemotePrefill) -> ReadOrder:
-    groups = [[] for _ in prefill.block_ids]
+    groups: list[list[int]] = [[] for _ in prefill.block_ids]
     return ReadOrder(request_id, prefill.remote, prefill.num_tokens, groups, [[] for _ in groups])

@@ -102,7 +102,7 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND=self.cores, PYTHONUNBUFFERED="1", **self.env)
-        self.log = open(self.log_path, "a")
+        self.log = open(self.log_path, "a")  # noqa: SIM115  (the server's stdout for its lifetime; closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.started = time.monotonic()
@@ -167,7 +167,7 @@ class ProxyProcess:
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
-        self.log = open(self.workdir / "proxy.log", "a")
+        self.log = open(self.workdir / "proxy.log", "a")  # noqa: SIM115  (the proxy's stdout; closed in stop())
         cmd = [sys.executable, "-m", "kvxferd", "proxy", "--port", str(self.port)]
         for u in self.prefill:
             cmd += ["--prefill", u]

@@ -41,7 +41,7 @@ def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, 
 
 def _bound_caches(vllm_config: Any) -> list[Any]:
     """The caches vLLM bound to its attention layers (they may be other views of the same memory)."""
-    out = []
+    out: list[Any] = []
     for layer in vllm_config.compilation_config.static_forward_context.values():
         cache = getattr(layer, "kv_cache", None)
         out.extend(cache if isinstance(cache, (list, tuple)) else [cache])

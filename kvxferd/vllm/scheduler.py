@@ -77,7 +77,8 @@ class SchedulerSide:
                                             num_tokens - num_external_tokens))
 
     # --- both ----------------------------------------------------------------
-    def finished(self, request: Any, block_ids: tuple[list[int], ...], completed: bool) -> tuple[bool, dict | None]:
+    def finished(self, request: Any, block_ids: tuple[list[int], ...],
+                 completed: bool) -> tuple[bool, dict[str, Any] | None]:
         """`completed`: the request stopped or hit its length (not aborted, not an error)."""
         params = request.kv_transfer_params
         if not params:

@@ -21,7 +21,7 @@ import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger("kvxferd.vllm")
 
@@ -33,7 +33,7 @@ class SharedBuffer:
     fd: int
     nbytes: int
     address: int
-    kind: str  # "shm" or "cuda_vmm"
+    kind: Literal["shm", "cuda_vmm"]
     device: int = 0
     keep: list[Any] = field(default_factory=list)  # mmap / VMM buffer owning the memory
 

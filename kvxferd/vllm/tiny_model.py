@@ -32,7 +32,13 @@ def make(directory: str | Path, seed: int = 0, layers: int = 4, hidden: int = 25
          kv_heads: int = 2, max_positions: int = 4096) -> Path:
     """Write config, weights and tokenizer to `directory`; skip if it already holds this model."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (  # type: ignore[import-not-found]  # installed only in vLLM's environment
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out = Path(directory)
@@ -60,7 +66,7 @@ def make(directory: str | Path, seed: int = 0, layers: int = 4, hidden: int = 25
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)  # large enough that greedy output is not one repeated token
     model.save_pretrained(out, safe_serialization=True)

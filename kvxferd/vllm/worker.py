@@ -126,15 +126,13 @@ class WorkerSide:
         now = time.monotonic()
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
-            self._call(hold.request_id, lambda c, h=hold: c.hold(h.request_id, h.lease_s, h.block_ids))
+            self._call(hold.request_id, _hold_rpc(hold))
         for read in orders.reads:
             if read.is_release:
                 self.releasing.add(read.request_id)
             else:
                 self.reading[read.request_id] = read
-            self._call(read.request_id, lambda c, r=read: c.read(r.request_id, r.remote, r.num_tokens,
-                                                                  r.local_blocks, r.remote_blocks,
-                                                                  self.read_deadline_s))
+            self._call(read.request_id, _read_rpc(read, self.read_deadline_s))
 
     def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> None:
         if self.client is None:
@@ -227,6 +225,19 @@ class WorkerSide:
             self.client = None
         for b in self.buffers:
             b.close()
+
+
+def _hold_rpc(order: HoldOrder) -> Callable[[EngineClient], None]:
+    def rpc(c: EngineClient) -> None:
+        c.hold(order.request_id, order.lease_s, order.block_ids)
+    return rpc
+
+
+def _read_rpc(order: ReadOrder, deadline_s: float) -> Callable[[EngineClient], None]:
+    def rpc(c: EngineClient) -> None:
+        c.read(order.request_id, order.remote, order.num_tokens, order.local_blocks, order.remote_blocks,
+               deadline_s)
+    return rpc
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
