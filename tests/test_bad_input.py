@@ -133,7 +133,7 @@ def test_geometry_validation_and_planning_never_crash(geo, blocks, num_tokens):
 
 def test_geometry_errors_name_the_field():
     geo = build(SHAPE, 1, 0)
-    bad = msgspec.structs.replace(geo, regions=(Region(0, 0, geo.buffers[0] * 2),) + geo.regions[1:])
+    bad = msgspec.structs.replace(geo, regions=(Region(0, 0, geo.buffers[0] * 2), *geo.regions[1:]))
     with pytest.raises(GeometryError, match=r"region 0: \[0, \+\d+\) outside buffer 0"):
         validate(bad)
 

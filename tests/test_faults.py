@@ -86,7 +86,7 @@ def test_prefill_engine_killed_while_holding():
         assert st["held"] == []
         # ... and lets it go once the lease has passed
         wait_for(lambda: not c.status(0)["engines"], 15, "memory released after the lease")
-        elapsed, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
+        _elapsed, outcomes, _local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
         assert [o[0] for o in outcomes] == ["failed"] * 4
         assert all("not registered" in o[2] for o in outcomes), outcomes
         c.prefill = EngineProcess(c.daemons[0].socket, "prefill", SHAPE, 2)
@@ -118,7 +118,8 @@ def test_peer_unreachable():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead_port = s.getsockname()[1]
-        elapsed, outcomes, local = read_outcome(c, 1, 40, 10.0, remote=RemoteRef("prefill", "127.0.0.1", dead_port, 2, "r"))
+        elapsed, outcomes, local = read_outcome(c, 1, 40, 10.0,
+                                                remote=RemoteRef("prefill", "127.0.0.1", dead_port, 2, "r"))
         assert elapsed < 1 + 3
         assert [o[0] for o in outcomes] == ["failed"] * 4
         assert all(o[1] == local and "handshake" in o[2] for o in outcomes)

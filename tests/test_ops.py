@@ -219,7 +219,8 @@ def test_helm_chart_lints_and_renders_valid_manifests():
         for ds in docs.values():
             for d in ds:
                 if d["kind"] == "ServiceMonitor":  # a CRD: no schema offline, check its shape
-                    assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["spec"]["endpoints"][0]["port"] == "metrics"
+                    assert (d["apiVersion"] == "monitoring.coreos.com/v1"
+                            and d["spec"]["endpoints"][0]["port"] == "metrics")
                     continue
                 kubernetes_validate.validate(d, version, strict=True)
         config = next(d for d in docs["kvxferd/templates/configmap.yaml"])
@@ -229,7 +230,8 @@ def test_helm_chart_lints_and_renders_valid_manifests():
             f.write(config["data"]["kvxferd.toml"])
             f.flush()
             cfg = load(f.name, env={})
-        assert cfg.allowed_uids == [1000] and cfg.ucx == {"UCX_TLS": "rc,cuda_copy"} and parsed["side_channel_port"] == 5600
+        assert (cfg.allowed_uids == [1000] and cfg.ucx == {"UCX_TLS": "rc,cuda_copy"}
+                and parsed["side_channel_port"] == 5600)
         pod = next(d for d in docs[f"kvxferd/templates/{'daemonset' if mode == 'daemonset' else 'sidecar'}.yaml"])
         spec = pod["spec"]["template"]["spec"]
         assert spec["hostIPC"] is True
@@ -239,7 +241,8 @@ def test_helm_chart_lints_and_renders_valid_manifests():
             mounts = {c["name"]: [m["mountPath"] for m in c["volumeMounts"]] for c in spec["containers"]}
             assert "/run/kvxferd" in mounts["inference"] and "/run/kvxferd" in mounts["kvxferd"]
     dashboard = next(d for d in _render({"dashboard": {"enabled": True}})["kvxferd/templates/dashboard.yaml"])
-    assert json.loads(dashboard["data"]["kvxferd.json"]) == json.loads((DEPLOY / "grafana" / "kvxferd.json").read_text())
+    assert json.loads(dashboard["data"]["kvxferd.json"]) == json.loads(
+        (DEPLOY / "grafana" / "kvxferd.json").read_text())
 
 
 def test_dockerfile_passes_hadolint():

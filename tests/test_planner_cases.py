@@ -191,7 +191,7 @@ def test_state_blocks_must_pair():
 
 
 def test_mismatched_models_refused():
-    with pytest.raises(PlanError, match="segment L0.k"):
+    with pytest.raises(PlanError, match=r"segment L0.k"):
         plan_rank(build(ModelShape(head_dim=64), 1, 0), {0: build(ModelShape(head_dim=128), 1, 0)})
 
 

@@ -70,7 +70,7 @@ def test_cpu_layout_byte_exact(total_heads, p_tp, d_tp, hit_blocks):
 def test_block_size_mismatch_refused_at_planning():
     p_geo, _ = rank_cache(2, 1, 0, block_size=BS)
     d_geo, _ = rank_cache(2, 1, 0, block_size=2 * BS)
-    with pytest.raises(PlanError, match="block-size mismatch.*same block size"):
+    with pytest.raises(PlanError, match=r"block-size mismatch.*same block size"):
         plan_rank(d_geo, {0: p_geo})
 
 
@@ -98,7 +98,8 @@ def test_heads_must_match_tp_sharding():
 
 def test_shared_layers_are_one_region():
     shape, stride = (BLOCKS, 2, 2 * BS, HD), (4 * BS * HD, 2 * BS * HD, HD, 1)
-    layers = [layout.LayerCache("a", 0, 0, 0, shape, stride, ITEM), layout.LayerCache("b", 0, 0, 0, shape, stride, ITEM)]
+    layers = [layout.LayerCache("a", 0, 0, 0, shape, stride, ITEM),
+              layout.LayerCache("b", 0, 0, 0, shape, stride, ITEM)]
     geo = layout.geometry("m", "bf16", 1, 0, [1 << 20], [layout.GroupSpec("attention", BS, 2, HD)], layers)
     assert len(geo.regions) == 1 and [v.name for v in geo.groups[0].views] == ["a"]
 
@@ -114,5 +115,5 @@ def test_vllm_dtype_names(name, canonical):
 
 def test_unknown_dtype_names_the_choices():
     from kvxferd.plan import dtypes
-    with pytest.raises(GeometryError, match="unknown dtype 'int3'.*bfloat16"):
+    with pytest.raises(GeometryError, match=r"unknown dtype 'int3'.*bfloat16"):
         dtypes.canonical("int3")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
-from ..client import AsyncEngineClient, RemoteRef
+from ..client import AsyncEngineClient, Completion, RemoteRef
+from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, pct
 
@@ -18,11 +20,12 @@ SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=
 BLOCKS = 16
 
 
-async def _drive(socket: str, geo, remote_host: str, remote_port: int, concurrency: int, requests: int):
+async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
+                 requests: int) -> tuple[float, list[float]]:
     """`requests` reads, `concurrency` in flight; one connection posts, another streams completions."""
     poster = await AsyncEngineClient.connect(socket, "d", 0, 1)
     poller = await AsyncEngineClient.connect(socket, "d", 0, 1)
-    waiting: dict[str, asyncio.Future] = {}
+    waiting: dict[str, asyncio.Future[Completion]] = {}
     latencies: list[float] = []
 
     async def pump() -> None:
@@ -35,7 +38,7 @@ async def _drive(socket: str, geo, remote_host: str, remote_port: int, concurren
     async def one(i: int, slot: int) -> None:
         rid = f"c{concurrency}-{i}"
         blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         waiting[rid] = fut
         t0 = time.perf_counter()
         await poster.read(rid, RemoteRef("p", remote_host, remote_port, 1, rid), BLOCKS * 16, blocks, blocks)
@@ -66,8 +69,8 @@ async def _drive(socket: str, geo, remote_host: str, remote_port: int, concurren
     return elapsed, latencies
 
 
-def run(levels=(1, 16, 256), requests: int = 2000) -> list[dict]:
-    rows = []
+def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000) -> list[dict[str, float]]:
+    rows: list[dict[str, float]] = []
     for concurrency in levels:
         with daemons(2) as (pd, dd):
             geo = build(SHAPE, 1, 0)
@@ -88,7 +91,7 @@ def run(levels=(1, 16, 256), requests: int = 2000) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict[str, float]]) -> str:
     lines = [f"{'conc':>5} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} {'rpc->post p50/p99 us':>22} "
              f"{'rpc->done p50/p99 us':>22}"]
     for r in rows:

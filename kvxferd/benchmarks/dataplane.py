@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..client import RemoteRef
 from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, median
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
 
@@ -31,7 +36,10 @@ def shape_for(page: int, blocks: int) -> ModelShape:
     return ModelShape(layers=1, kv_heads=1, head_dim=page // 32, block_size=16, num_blocks=blocks)
 
 
-def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int, device: str) -> None:
+def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, int]],
+              results: Queue[Any], page: int, n: int, repeats: int, device: str) -> None:
+    """One NIXL agent. q_out/q_in: (agent metadata, buffer address). `results`: the reader puts
+    its timings (list[float]) there; the target gets the done signal (None) from it."""
     import mmap
 
     from ..nixl_driver import nixl_api
@@ -68,7 +76,7 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int, 
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, mem), mem)
     rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, mem), mem)
     idx = np.arange(2 * n, dtype=np.int32)
-    times = []
+    times: list[float] = []
     for i in range(repeats + 2):
         t0 = time.perf_counter()
         while True:
@@ -88,7 +96,10 @@ def _raw_side(role: str, q_out, q_in, results, page: int, n: int, repeats: int, 
 
 def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu") -> list[float]:
     ctx = mp.get_context("spawn")
-    a, b, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    a: Queue[tuple[Any, int]] = ctx.Queue()
+    b: Queue[tuple[Any, int]] = ctx.Queue()
+    results: Queue[list[float]] = ctx.Queue()
+    done: Queue[None] = ctx.Queue()
     reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device))
     target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
     reader.start()
@@ -104,11 +115,11 @@ def memcpy(nbytes: int, repeats: int, device: str = "cpu") -> float:
     if device == "cuda-vmm":  # device-to-device copy between two allocations
         from ..memory import VmmBuffer, _check, _cu
         cu = _cu()
-        src, dst = VmmBuffer(nbytes), VmmBuffer(nbytes)
-        times = []
+        src_vmm, dst_vmm = VmmBuffer(nbytes), VmmBuffer(nbytes)
+        times: list[float] = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            _check(cu.cuMemcpyDtoD(dst.address, src.address, nbytes), "cuMemcpyDtoD")
+            _check(cu.cuMemcpyDtoD(dst_vmm.address, src_vmm.address, nbytes), "cuMemcpyDtoD")
             _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
             times.append(time.perf_counter() - t0)
         return median(times)
@@ -130,7 +141,7 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
     try:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
-        times = []
+        times: list[float] = []
         for i in range(repeats + 2):
             remote = RemoteRef(f"p{page}", host, int(port), 1, f"r{i}")
             t0 = time.perf_counter()
@@ -146,16 +157,17 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
         p.close()
 
 
-def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3,
-        device: str = "cpu") -> list[dict]:
+def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3,
+        device: str = "cpu") -> list[dict[str, float]]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on both alike."""
-    rows = []
+    rows: list[dict[str, float]] = []
     nbytes = total_mib << 20
     with daemons(2) as (pd, dd):
         for page in page_sizes:
             n = nbytes // (2 * page)
-            ks, rs = [], []
+            ks: list[float] = []
+            rs: list[float] = []
             for _ in range(rounds):
                 ks += through_kvxferd([pd.socket, dd.socket], page, n, repeats, device)
                 rs += raw_nixl(page, n, repeats, device)
@@ -167,7 +179,7 @@ def run(page_sizes=PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: i
     return rows
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict[str, float]]) -> str:
     lines = [f"{'page':>8} {'descs':>7} {'kvxferd GB/s':>13} {'raw NIXL GB/s':>14} {'memcpy GB/s':>12} "
              f"{'kvxferd/raw':>12}"]
     for r in rows:

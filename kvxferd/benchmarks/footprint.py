@@ -15,7 +15,7 @@ from .harness import BenchEngine, daemons, rss_mb
 from .plan import LLAMA70B
 
 
-def run(d_tp: int = 8, p_tp: int = 8) -> dict:
+def run(d_tp: int = 8, p_tp: int = 8) -> dict[str, float]:
     with daemons(2) as (pd, dd):
         time.sleep(0.5)
         out = {"idle_mb": rss_mb(dd.proc.pid)}
@@ -36,7 +36,7 @@ def run(d_tp: int = 8, p_tp: int = 8) -> dict:
     return out
 
 
-def render(r: dict) -> str:
+def render(r: dict[str, float]) -> str:
     return (f"decode daemon RSS: idle {r['idle_mb']:.0f} MB; with a 70B-class rank registered "
             f"({r['registered_gb']:.1f} GB of KV memory) {r['registered_mb']:.0f} MB; after the first read "
             f"(plan + descriptor lists, {r['first_read_s']:.2f} s) {r['after_first_read_mb']:.0f} MB")

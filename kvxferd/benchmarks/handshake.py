@@ -12,8 +12,8 @@ from .harness import BenchEngine, daemons, median
 SHAPE = ModelShape(layers=32, kv_heads=8, head_dim=128, block_size=16, num_blocks=1024)
 
 
-def run(peers: int = 5, blocks: int = 16) -> list[dict]:
-    rows = []
+def run(peers: int = 5, blocks: int = 16) -> list[dict[str, float]]:
+    rows: list[dict[str, float]] = []
     with daemons(1) as (pd,):
         p = BenchEngine(pd.socket, "p", build(SHAPE, 1, 0), touch=False)
         host, port = p.side_channel.rsplit(":", 1)
@@ -21,7 +21,7 @@ def run(peers: int = 5, blocks: int = 16) -> list[dict]:
         for i in range(peers):
             with daemons(1) as (dd,):  # a fresh decode daemon: the prefill daemon is a new peer
                 d = BenchEngine(dd.socket, "d", build(SHAPE, 1, 0), touch=False)
-                times = []
+                times: list[float] = []
                 for j in range(2):
                     rid = f"h{i}-{j}"
                     t0 = time.perf_counter()
@@ -37,11 +37,11 @@ def run(peers: int = 5, blocks: int = 16) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: median([r[k] for r in rows]) for k in ("first_ms", "second_ms", "handshake_ms")}
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict[str, float]]) -> str:
     s = summary(rows)
     lines = [f"{'peer':>4} {'first request ms':>17} {'handshake ms':>13} {'next request ms':>16}"]
     lines += [f"{r['peer']:>4} {r['first_ms']:>17.1f} {r['handshake_ms']:>13.1f} {r['second_ms']:>16.2f}" for r in rows]

@@ -3,25 +3,31 @@ the timed path), and small statistics."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import statistics
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..client import EngineClient
+from ..client import Completion, EngineClient
 from ..memory import create_shm
 from ..plan.geometry import Geometry
 from ..synthetic.demo import DaemonProcess
 
+if TYPE_CHECKING:
+    from ..memory import VmmBuffer
 
-def median(xs) -> float:
+
+def median(xs: Iterable[float]) -> float:
     return statistics.median(xs)
 
 
-def pct(xs, q: float) -> float:
+def pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
@@ -31,9 +37,9 @@ def rss_mb(pid: int) -> float:
 
 
 @contextmanager
-def daemons(n: int = 2, extra: list[str] = ()):
+def daemons(n: int = 2, extra: Sequence[str] = ()) -> Iterator[list[DaemonProcess]]:
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-") as work:
-        procs = []
+        procs: list[DaemonProcess] = []
         try:
             for i in range(n):
                 procs.append(DaemonProcess(Path(work), f"daemon-{i}", extra=list(extra)))
@@ -48,15 +54,18 @@ class BenchEngine:
 
     def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True, device: str = "cpu") -> None:
         self.geo = geo
-        fds, self.mmaps, self.views = [], [], []
+        fds: list[int] = []
+        self.mmaps: list[mmap.mmap | VmmBuffer] = []
+        self.views: list[np.ndarray] = []
         self.client = EngineClient(socket, engine_id, geo.tp_rank, geo.tp_size)
         if device == "cuda-vmm":  # device memory shared as CUDA VMM fds
             from ..client import MemoryHandle
             from ..memory import VmmBuffer
-            self.mmaps = [VmmBuffer(size) for size in geo.buffers]
-            fds = [b.export() for b in self.mmaps]
+            vmm_bufs = [VmmBuffer(size) for size in geo.buffers]
+            self.mmaps = [*vmm_bufs]
+            fds = [b.export() for b in vmm_bufs]
             self.side_channel = self.client.register(
-                geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in self.mmaps], fds=fds)
+                geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in vmm_bufs], fds=fds)
         else:
             for size in geo.buffers:
                 fd, mm = create_shm(size, engine_id)
@@ -69,9 +78,9 @@ class BenchEngine:
             self.side_channel = self.client.register(geo, shm_fds=fds)
         for fd in fds:
             os.close(fd)
-        self.pending: dict[str, object] = {}
+        self.pending: dict[str, Completion] = {}
 
-    def wait(self, request_id: str, timeout: float = 60.0):
+    def wait(self, request_id: str, timeout: float = 60.0) -> Completion:
         while request_id not in self.pending:
             for c in self.client.poll(wait_s=min(timeout, 1.0)):
                 self.pending[c.request_id] = c

@@ -11,9 +11,12 @@ Everything is vectorized numpy; a 70B-class layout has millions of descriptors p
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from .geometry import Geometry
 from .planner import GroupPairing, PeerPlan, PlanError, RankPlan, is_attention
@@ -53,7 +56,7 @@ def _runs(pages: np.ndarray, phases: np.ndarray) -> list[tuple[int, int]]:
     key = pages * 1_000_003 + phases
     cuts = np.flatnonzero(np.diff(key)) + 1
     bounds = np.concatenate(([0], cuts, [len(key)])).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def local_descs(peer: PeerPlan, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
@@ -81,7 +84,7 @@ class RequestBlocks:
     remote: tuple[np.ndarray, ...]
 
     @classmethod
-    def of(cls, num_tokens: int, local, remote) -> RequestBlocks:
+    def of(cls, num_tokens: int, local: Iterable[npt.ArrayLike], remote: Iterable[npt.ArrayLike]) -> RequestBlocks:
         return cls(num_tokens, tuple(np.asarray(b, dtype=np.int64) for b in local),
                    tuple(np.asarray(b, dtype=np.int64) for b in remote))
 
@@ -131,7 +134,7 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
 
 
 def _pages(offsets: np.ndarray, blocks: np.ndarray, tokens_per_page: int, pages_per_block: int,
-           chunk: int) -> tuple[np.ndarray, np.ndarray]:
+           chunk: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Kernel page and phase of each token offset (relative to the first listed block)."""
     page_pos = offsets // tokens_per_page
     page = blocks[page_pos // pages_per_block] * pages_per_block + page_pos % pages_per_block
@@ -155,7 +158,8 @@ def request_chunks(plan: RankPlan, req: RequestBlocks) -> list[Chunks]:
 
 def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.ndarray]:
     """Local and remote descriptor ids of one request on one peer; NIXL pairs them by position."""
-    local_parts, remote_parts = [], []
+    local_parts: list[np.ndarray] = []
+    remote_parts: list[np.ndarray] = []
     for g, cols in peer.by_group.items():
         ch = chunks[g]
         if not len(ch.local_page):
@@ -185,7 +189,7 @@ def _ids(base: np.ndarray, pages: np.ndarray, page: np.ndarray, phase: np.ndarra
 def request_indices(plan: RankPlan, req: RequestBlocks) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per remote rank read from: (local ids, remote ids). Ranks with nothing to read are left out."""
     chunks = request_chunks(plan, req)
-    out = {}
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for rank, peer in plan.peers.items():
         lids, rids = peer_indices(peer, chunks)
         if len(lids):

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .geometry import Geometry
 from .planner import RankPlan
 
 SCHEMA_VERSION = 1
 
 
-def rank_plan_dict(plan: RankPlan, local: Geometry, remotes: dict[int, Geometry]) -> dict:
-    peers = []
+def rank_plan_dict(plan: RankPlan, local: Geometry, remotes: dict[int, Geometry]) -> dict[str, Any]:
+    peers: list[dict[str, Any]] = []
     for rank in plan.targets:
         peer = plan.peers.get(rank)
-        entry = {"remote_rank": rank, "read": peer is not None, "pieces": [], "local_descs": 0, "remote_descs": 0}
+        entry: dict[str, Any] = {"remote_rank": rank, "read": peer is not None, "pieces": [], "local_descs": 0,
+                                 "remote_descs": 0}
         if peer is not None:
             entry["local_descs"], entry["remote_descs"] = peer.num_local_descs, peer.num_remote_descs
             for i, p in enumerate(peer.pieces):
@@ -37,7 +40,7 @@ def rank_plan_dict(plan: RankPlan, local: Geometry, remotes: dict[int, Geometry]
             "consumers_per_remote_rank": plan.consumers_per_remote_rank, "groups": groups, "peers": peers}
 
 
-def render_table(doc: dict) -> str:
+def render_table(doc: dict[str, Any]) -> str:
     """Readable text: one block per decode rank, one line per piece."""
     lines = [f"prefill TP {doc['prefill']['tp']} -> decode TP {doc['decode']['tp']}   model {doc['model']}"]
     for rp in doc["ranks"]:

@@ -31,16 +31,19 @@ Nothing in this module does I/O; it crosses the wire as msgspec structs.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
-UNIT_MAJOR = "unit_major"
-TOKEN_MAJOR = "token_major"
-UNIT_SEALED = "unit_sealed"
-LAYOUTS = (UNIT_MAJOR, TOKEN_MAJOR, UNIT_SEALED)
-ATTENTION = "attention"
-STATE = "state"
+SegmentLayout = Literal["unit_major", "token_major", "unit_sealed"]
+GroupKind = Literal["attention", "state"]
+
+UNIT_MAJOR: Final = "unit_major"
+TOKEN_MAJOR: Final = "token_major"
+UNIT_SEALED: Final = "unit_sealed"
+LAYOUTS: Final[tuple[SegmentLayout, ...]] = (UNIT_MAJOR, TOKEN_MAJOR, UNIT_SEALED)
+ATTENTION: Final = "attention"
+STATE: Final = "state"
 
 
 class GeometryError(ValueError):
@@ -55,7 +58,7 @@ class Segment(msgspec.Struct, frozen=True):
     unit_stop: int
     tokens: int  # tokens per page (1 for state segments)
     token_bytes: int  # bytes of one token of one unit
-    layout: Literal["unit_major", "token_major", "unit_sealed"] = UNIT_MAJOR
+    layout: SegmentLayout = UNIT_MAJOR
 
     @property
     def local_units(self) -> int:
@@ -80,7 +83,7 @@ class View(msgspec.Struct, frozen=True):
 
 class CacheGroup(msgspec.Struct, frozen=True):
     name: str
-    kind: Literal["attention", "state"]
+    kind: GroupKind
     tokens_per_block: int  # logical block; 0 for state groups
     pages_per_block: int  # kernel pages per logical block
     views: tuple[View, ...]

@@ -33,6 +33,7 @@ from .geometry import (
     GeometryError,
     Region,
     Segment,
+    SegmentLayout,
     View,
     shard,
     validate,
@@ -77,7 +78,7 @@ _IDENTITY = {
     "mla": ("layers", "latent_dim", "dtype"),
     "mamba2": _ATTN + _SSM,
     "gdn": _ATTN + _SSM,
-    "gemma4": _ATTN + ("full_layers", "full_kv_heads", "full_head_dim"),
+    "gemma4": (*_ATTN, "full_layers", "full_kv_heads", "full_head_dim"),
 }
 
 PRESETS: dict[str, ModelShape] = {
@@ -129,7 +130,7 @@ def _kernel_pages(shape: ModelShape) -> tuple[int, int]:
 
 def _kv_segments(name_k: str, name_v: str, heads: tuple[int, int], total: int, tokens: int,
                  token_bytes: int, layout: str, v_offset: int) -> tuple[Segment, Segment]:
-    seg_layout = TOKEN_MAJOR if layout == "nhd" else UNIT_MAJOR
+    seg_layout: SegmentLayout = TOKEN_MAJOR if layout == "nhd" else UNIT_MAJOR
     k = Segment(name_k, 0, total, heads[0], heads[1], tokens, token_bytes, seg_layout)
     v = Segment(name_v, v_offset, total, heads[0], heads[1], tokens, token_bytes, seg_layout)
     return k, v

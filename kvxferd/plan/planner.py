@@ -19,6 +19,7 @@ per-request indices.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,7 +163,8 @@ def plan_rank(local: Geometry, remotes: dict[int, Geometry], merge: bool = True)
         if geo.tp_size != remote_tp or geo.tp_rank != rank:
             raise PlanError(f"remote rank {rank}: geometry says rank {geo.tp_rank} of TP {geo.tp_size}")
     remote_groups = {g.name: g for g in remotes[want[0]].groups}
-    pairings, pieces_by_rank = [], {t: [] for t in want}
+    pairings: list[GroupPairing] = []
+    pieces_by_rank: dict[int, list[Piece]] = {t: [] for t in want}
     for gi, group in enumerate(local.groups):
         rgroup = remote_groups.get(group.name)
         if rgroup is None or rgroup.kind != group.kind:
@@ -289,7 +291,7 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
 
 def _columns(rank: int, pieces: list[Piece], local: Geometry, remote: Geometry,
              pairings: list[GroupPairing]) -> PeerPlan:
-    def col(values) -> np.ndarray:
+    def col(values: Iterable[int]) -> np.ndarray:
         return np.fromiter(values, dtype=np.int64, count=len(pieces))
 
     lviews = [local.groups[p.group].views[p.local_view] for p in pieces]

@@ -11,8 +11,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import IO, Any, cast
 
 import msgspec
 import numpy as np
@@ -25,7 +28,8 @@ class DemoError(RuntimeError):
     pass
 
 
-def _engine_main(conn, socket_path: str, engine_id: str, shape: bytes, tp: int, device: str) -> None:
+def _engine_main(conn: Connection[tuple[str, Any], tuple[str, tuple[Any, ...]]], socket_path: str, engine_id: str,
+                 shape: bytes, tp: int, device: str) -> None:
     from .engine import SyntheticEngine
 
     try:
@@ -61,7 +65,7 @@ class EngineProcess:
         self.engine_id = engine_id
         self.side_channel = self._result(120)
 
-    def _result(self, timeout: float):
+    def _result(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise DemoError(f"engine {self.engine_id} did not answer within {timeout:g} s")
         status, value = self.conn.recv()
@@ -69,7 +73,7 @@ class EngineProcess:
             raise DemoError(f"engine {self.engine_id}: {value}")
         return value
 
-    def call(self, cmd: str, *args, timeout: float = 120):
+    def call(self, cmd: str, *args: Any, timeout: float = 120) -> Any:
         self.conn.send((cmd, args))
         return self._result(timeout)
 
@@ -84,7 +88,7 @@ class EngineProcess:
             self.proc.kill()
 
 
-def stop_process(proc: subprocess.Popen, log) -> None:
+def stop_process(proc: subprocess.Popen[bytes], log: IO[str]) -> None:
     """SIGTERM, then SIGKILL after 10 s; close its log."""
     if proc.poll() is None:
         proc.terminate()
@@ -98,10 +102,10 @@ def stop_process(proc: subprocess.Popen, log) -> None:
 class DaemonProcess:
     """`kvxferd serve` in its own process."""
 
-    def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: list[str] = (),
+    def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: Sequence[str] = (),
                  side_channel_port: int = 0, socket: str | None = None) -> None:
         self.socket = socket or str(workdir / f"{name}.sock")
-        self.log = open(workdir / f"{name}.log", "a")
+        self.log = open(workdir / f"{name}.log", "a")  # noqa: SIM115  (the daemon's stdout; closed in stop())
         cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket,
                "--side-channel-port", str(side_channel_port),
                "--metrics-port", str(metrics_port), "--name", name, *extra]
@@ -143,10 +147,10 @@ class DemoResult:
     seconds: float
     latencies: list[float]
     prefix_hits: int
-    released: dict
+    released: dict[str, int]  # prefill release status -> requests
     sizes: list[int] = field(default_factory=list)  # bytes of each received request
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         lat = np.array(self.latencies or [0.0]) * 1000
         warm_s, warm_b = sum(self.latencies[1:]), sum(self.sizes[1:])  # the first one pays the handshake
         return {"requests": self.requests, "received": self.received, "failed": self.failed,
@@ -162,10 +166,14 @@ class Cluster:
 
     def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
                  workdir: str | None = None, metrics: bool = False, device: str = "cpu",
-                 daemon_args: list[str] = ()) -> None:
+                 daemon_args: Sequence[str] = ()) -> None:
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-") if workdir is None else None
-        self.work = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-")
+            self.work = Path(self._tmp.name)
+        else:
+            self.work = Path(workdir)
         self.work.mkdir(parents=True, exist_ok=True)
         self.daemons: list[DaemonProcess] = []
         self.engines: list[EngineProcess] = []
@@ -188,7 +196,7 @@ class Cluster:
         return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}")
 
     def transfer(self, seq: int, num_tokens: int, hit_tokens: int = 0, lease_s: float = 30.0,
-                 deadline_s: float = 30.0) -> dict:
+                 deadline_s: float = 30.0) -> dict[str, Any]:
         """Prefill a prompt, read it on the decode side (verified there), wait for its release."""
         blocks = self.prefill.call("prefill", seq, num_tokens, lease_s)
         try:
@@ -199,12 +207,12 @@ class Cluster:
             self.prefill.call("free", blocks)
         return out
 
-    def status(self, which: int) -> dict:
+    def status(self, which: int) -> dict[str, Any]:
         from .. import protocol as P
         from ..rpc import Client
 
         with Client(self.daemons[which].socket) as c:
-            return c.call(P.StatusQuery()).status
+            return cast(P.StatusReply, c.call(P.StatusQuery())).status
 
     def close(self) -> None:
         for e in self.engines:
@@ -217,12 +225,13 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens: int, hit_ratio: float,
-             seed: int, workdir: str | None = None, progress=None, p_shape: ModelShape | None = None,
+             seed: int, workdir: str | None = None, progress: Callable[[int], object] | None = None,
+             p_shape: ModelShape | None = None,
              lease_s: float = 30.0, deadline_s: float = 30.0) -> DemoResult:
     """Start everything, run `requests` prompts P -> D, verify every byte; raise DemoError on mismatch."""
     rng = np.random.default_rng(seed)

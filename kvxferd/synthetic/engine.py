@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ..client import EngineClient, MemoryHandle, RemoteRef
+from ..client import Completion, EngineClient, MemoryHandle, RemoteRef
 from ..memory import create_shm
 from ..plan.geometry import ATTENTION, Geometry
 from ..plan.models import ModelShape, build
@@ -29,10 +31,11 @@ class VerificationError(AssertionError):
 class Rank:
     geometry: Geometry
     client: EngineClient
-    mem: list  # mmaps (host) or torch CUDA tensors (GPU)
+    # mmaps (host), VmmBuffers or lazily imported torch CUDA tensors (GPU), used by duck typing
+    mem: list[Any]
     view: list[np.ndarray]  # host bytes: the shared memory itself, or a staging copy of GPU memory
     shadow: list[np.ndarray]  # what the memory should hold
-    pending: dict = field(default_factory=dict)  # completions polled but not yet waited for
+    pending: dict[str, Completion] = field(default_factory=dict)  # completions polled but not yet waited for
     gpu: bool = False
 
     def upload(self) -> None:
@@ -80,29 +83,33 @@ class SyntheticEngine:
         geo0 = self.ranks[0].geometry
         self.pool = list(range(min(g.num_blocks for g in geo0.groups)))
         self.pool.reverse()
-        self.reading: dict[int, tuple] = {}
+        # seq -> (sequence, locally cached blocks per group, blocks read per group, start time)
+        self.reading: dict[int, tuple[testing.Sequence, list[int], list[list[int]], float]] = {}
 
     def _gpu_rank(self, geo: Geometry, client: EngineClient, device: str) -> Rank:
         """cuda-vmm: shareable VMM allocations passed as fds; cuda-ipc: torch tensors, IPC handles."""
         views = [np.full(size, testing.POISON, dtype=np.uint8) for size in geo.buffers]
+        bufs: list[Any]  # torch tensors or VmmBuffers, as Rank.mem
         if device == "cuda-ipc":
             import torch
 
             from ..memory import export_cuda
-            bufs = [torch.full((size,), testing.POISON, dtype=torch.uint8, device="cuda") for size in geo.buffers]
+            tensors = [torch.full((size,), testing.POISON, dtype=torch.uint8, device="cuda") for size in geo.buffers]
             torch.cuda.synchronize()
-            memory = [MemoryHandle("cuda_ipc", size, 0, export_cuda(t)) for size, t in zip(geo.buffers, bufs)]
+            memory = [MemoryHandle("cuda_ipc", size, 0, export_cuda(t)) for size, t in zip(geo.buffers, tensors)]
             self.side_channel = client.register(geo, memory=memory)
+            bufs = tensors
         else:
             from ..memory import VmmBuffer
-            bufs = [VmmBuffer(size) for size in geo.buffers]
-            for b, v in zip(bufs, views):
+            vmm_bufs = [VmmBuffer(size) for size in geo.buffers]
+            for b, v in zip(vmm_bufs, views):
                 b.write(np.resize(v, b.nbytes))
-            fds = [b.export() for b in bufs]
-            self.side_channel = client.register(geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in bufs],
+            fds = [b.export() for b in vmm_bufs]
+            self.side_channel = client.register(geo, memory=[MemoryHandle("cuda_vmm", b.nbytes) for b in vmm_bufs],
                                                 fds=fds)
             for fd in fds:
                 os.close(fd)
+            bufs = vmm_bufs
         return Rank(geo, client, bufs, views, [v.copy() for v in views], gpu=True)
 
     # --- blocks ---------------------------------------------------------------
@@ -112,7 +119,7 @@ class SyntheticEngine:
             raise RuntimeError(f"{self.engine_id}: out of KV blocks ({sum(need)} needed, {len(self.pool)} free)")
         return tuple(tuple(self.pool.pop() for _ in range(n)) for n in need)
 
-    def free(self, blocks) -> None:
+    def free(self, blocks: Iterable[Iterable[int]]) -> None:
         for group in blocks:
             self.pool.extend(group)
 
@@ -132,8 +139,8 @@ class SyntheticEngine:
         return [self._wait(rank, f"req-{seq}", timeout_s).status for rank in self.ranks]
 
     # --- decode ---------------------------------------------------------------
-    def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
-                  deadline_s: float) -> tuple:
+    def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
+                  hit_tokens: int, deadline_s: float) -> list[list[int]]:
         """Allocate blocks, write the locally cached prefix, ask every rank's daemon to read the rest."""
         blocks = self.allocate(num_tokens)
         s = testing.Sequence(seq, num_tokens, blocks)
@@ -152,13 +159,13 @@ class SyntheticEngine:
         self.reading[seq] = (s, hit, local, started)
         return local
 
-    def wait_read(self, seq: int, timeout_s: float) -> list:
+    def wait_read(self, seq: int, timeout_s: float) -> list[tuple[str, list[list[int]], str, int]]:
         """Every rank's completion of a read (one each), as (status, block_ids, reason, nbytes)."""
         return [(c.status, c.block_ids, c.reason, c.nbytes)
                 for c in (self._wait(rank, f"d-{seq}", timeout_s) for rank in self.ranks)]
 
-    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks, hit_tokens: int,
-               deadline_s: float, remote_shape: ModelShape) -> dict:
+    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
+               hit_tokens: int, deadline_s: float, remote_shape: ModelShape) -> dict[str, Any]:
         """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
         local = self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s)
         results = self.wait_read(seq, deadline_s + 5)
@@ -179,7 +186,7 @@ class SyntheticEngine:
         self.free(s.blocks)
         return {"status": "received", "latency_s": latency, "bytes": sum(r[3] for r in results)}
 
-    def drop(self, seq: int):
+    def drop(self, seq: int) -> tuple[tuple[int, ...], ...]:
         """Forget a read without verifying it (failed reads); returns its blocks for `free`."""
         return self.reading.pop(seq)[0].blocks
 
@@ -193,15 +200,15 @@ class SyntheticEngine:
         remote = build(remote_shape, remote_tp, 0).groups
         return [min(lg.tokens_per_page, rg.tokens_per_page) for lg, rg in zip(local, remote)]
 
-    def verify_all(self) -> list:
+    def verify_all(self) -> list[testing.Mismatch]:
         """Full-buffer comparison (catches stray writes outside any request's pages)."""
-        out = []
+        out: list[testing.Mismatch] = []
         for rank in self.ranks:
             rank.download()
             out += testing.check(rank.view, rank.shadow, rank.geometry)
         return out
 
-    def _wait(self, rank: Rank, request_id: str, timeout_s: float):
+    def _wait(self, rank: Rank, request_id: str, timeout_s: float) -> Completion:
         pending = rank.pending
         deadline = time.monotonic() + timeout_s
         while request_id not in pending:
@@ -226,7 +233,7 @@ class SyntheticEngine:
                     mm.close()
 
 
-def _block_pages(geo: Geometry, blocks):
+def _block_pages(geo: Geometry, blocks: Sequence[Iterable[int]]) -> Iterator[tuple[int, int, int]]:
     """(buffer, start, stop) byte ranges of every page of the given blocks, per group view."""
     for gi, group in enumerate(geo.groups):
         for view in group.views:
@@ -236,13 +243,14 @@ def _block_pages(geo: Geometry, blocks):
                 yield region.buffer, start, start + group.pages_per_block * view.page_stride
 
 
-def _poison_blocks(bufs, geo: Geometry, blocks) -> None:
+def _poison_blocks(bufs: list[np.ndarray], geo: Geometry, blocks: Sequence[Iterable[int]]) -> None:
     for buf, start, stop in _block_pages(geo, blocks):
         bufs[buf][start:stop] = testing.POISON
 
 
-def _compare_blocks(actual, expected, geo: Geometry, blocks) -> list[str]:
-    bad = []
+def _compare_blocks(actual: list[np.ndarray], expected: list[np.ndarray], geo: Geometry,
+                    blocks: Sequence[Iterable[int]]) -> list[str]:
+    bad: list[str] = []
     for buf, start, stop in _block_pages(geo, blocks):
         diff = np.flatnonzero(actual[buf][start:stop] != expected[buf][start:stop])
         if len(diff):

@@ -10,6 +10,7 @@ for byte with what arrived, without looking at the prefill side's memory.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,8 @@ def _key(group: CacheGroup, view_idx: int, seg: Segment) -> str:
     return f"{group.name}/{group.views[view_idx].name}.{seg.name}"
 
 
-def write_tokens(bufs: list[np.ndarray], geo: Geometry, group_idx: int, seq: int, blocks, first_block: int,
-                 lo: int, hi: int) -> None:
+def write_tokens(bufs: list[np.ndarray], geo: Geometry, group_idx: int, seq: int, blocks: Iterable[int],
+                 first_block: int, lo: int, hi: int) -> None:
     """Write the state of tokens [lo, hi) into the attention blocks listed.
 
     `blocks[k]` holds prompt block `first_block + k` (in this group's tokens per block).
@@ -87,7 +88,7 @@ def write_tokens(bufs: list[np.ndarray], geo: Geometry, group_idx: int, seq: int
                                                                      seg.token_bytes)
 
 
-def write_state(bufs: list[np.ndarray], geo: Geometry, group_idx: int, seq: int, blocks) -> None:
+def write_state(bufs: list[np.ndarray], geo: Geometry, group_idx: int, seq: int, blocks: Iterable[int]) -> None:
     """Write the SSM/conv state of a sequence into the state blocks listed (slot k = list position)."""
     group = geo.groups[group_idx]
     for k, block in enumerate(blocks):
@@ -158,7 +159,7 @@ class Mismatch:
 
 def check(actual: list[np.ndarray], expected: list[np.ndarray], geo: Geometry) -> list[Mismatch]:
     """Per buffer, where the bytes differ (empty when they are identical)."""
-    out = []
+    out: list[Mismatch] = []
     for bi, (a, e) in enumerate(zip(actual, expected)):
         diff = np.flatnonzero(a != e)
         if len(diff):
