@@ -253,17 +253,16 @@ def status(
     """Show what a running daemon is doing."""
     import time
 
-    from .rpc import Client, DaemonError
+    from .client import Client, DaemonError
     from .status import render
 
     while True:
         try:
             with Client(socket, timeout=5, client="kvxferd status") as c:
-                from . import protocol as P
-                st = c.call(P.StatusQuery()).status
+                st = c.status()
         except (ConnectionError, DaemonError, OSError) as exc:
             fail(f"{exc}\n  is the daemon running? start it with `kvxferd serve --socket {socket}`")
-        text = json.dumps(st, indent=2) if as_json else render(st)
+        text = json.dumps(msgspec.to_builtins(st), indent=2) if as_json else render(st)
         if watch > 0:
             typer.echo("\x1b[2J\x1b[H" + text)
             time.sleep(watch)

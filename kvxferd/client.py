@@ -1,34 +1,197 @@
 """Engine-side library: the reference implementation of the engine half of the protocol.
 
     with EngineClient("/run/kvxferd/kvxferd.sock", "prefill-0", rank=0, tp_size=2) as c:
-        c.register(geometry, shm_fds=[fd])          # or cuda=[export_cuda(kv_tensor)]
+        c.register(geometry, shm_fds=[fd])          # or memory=[...cuda_vmm...], fds=[fd]
         c.hold("req-1", lease_s=30)                 # prefill
         c.read("req-1", remote, num_tokens, local_blocks, remote_blocks)   # decode
         for done in c.poll(wait_s=1.0): ...
+
+`Client` and `AsyncClient` carry frames; `Requests` builds every message one engine rank
+sends, so the sync and the asyncio engine clients cannot drift apart.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import TypeVar
 
 from . import protocol as P
 from .plan.geometry import Geometry
-from .rpc import AsyncClient, Client, DaemonError
+from .rpc import FrameError, FrameReader, frame
 
-__all__ = ["AsyncEngineClient", "Completion", "DaemonError", "EngineClient", "MemoryHandle", "RemoteRef"]
+__all__ = ["AsyncClient", "AsyncEngineClient", "Client", "Completion", "DaemonError", "EngineClient",
+           "MemoryHandle", "RemoteRef", "Requests"]
 
 RemoteRef = P.RemoteRef
 Completion = P.Completion
-
-
 MemoryHandle = P.MemoryHandle
+BlockLists = Iterable[Iterable[int]]
+R = TypeVar("R", bound=P.Msg)
 
 
-def _memory(geometry: Geometry, shm_fds, memory) -> tuple[list[P.MemoryHandle], list[int]]:
-    """shm_fds: one memfd per buffer (sizes from the geometry); or explicit handles."""
-    if shm_fds:
-        return [P.MemoryHandle("shm", size) for size in geometry.buffers], list(shm_fds)
-    return list(memory), []
+class DaemonError(RuntimeError):
+    """The daemon answered a request with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def _hello(client: str) -> P.Hello:
+    return P.Hello(P.PROTOCOL_VERSION, client or f"pid {os.getpid()}")
+
+
+def _fds_message(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+
+
+def _reply(body: bytes, expect: type[R]) -> R:
+    reply = P.reply_decoder.decode(body)
+    if isinstance(reply, P.Error):
+        raise DaemonError(reply.code, reply.message)
+    if not isinstance(reply, expect):
+        raise FrameError(f"daemon answered {type(reply).__name__}, expected {expect.__name__}")
+    return reply
+
+
+class Client:
+    """Synchronous transport: one request, one reply."""
+
+    def __init__(self, path: str, timeout: float = 30.0, client: str = "") -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
+        self.reader = FrameReader()
+        self.daemon = self.call(_hello(client), P.Welcome).daemon
+
+    def call(self, msg: P.Msg, expect: type[R], fds: Sequence[int] = (), timeout: float | None = None) -> R:
+        body = frame(P.encoder.encode(msg))
+        try:
+            if fds:
+                sent = self.sock.sendmsg([body], _fds_message(fds))
+                if sent < len(body):
+                    self.sock.sendall(body[sent:])
+            else:
+                self.sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon closed first; a refusal it sent before closing is still readable
+        if timeout is not None:
+            self.sock.settimeout(timeout)
+        return _reply(self._recv(), expect)
+
+    def _recv(self) -> bytes:
+        frames = self.reader.feed(b"")
+        while not frames:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("daemon closed the connection")
+            frames = self.reader.feed(data)
+        if len(frames) > 1:
+            raise FrameError("daemon sent more than one reply")
+        return frames[0]
+
+    def status(self) -> P.Status:
+        return self.call(P.StatusQuery(), P.StatusReply).status
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio transport (same protocol, same replies)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader()
+        self.loop = asyncio.get_running_loop()
+        self._lock = asyncio.Lock()
+        self.daemon = ""
+
+    @classmethod
+    async def connect(cls, path: str, client: str = "") -> AsyncClient:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
+        self = cls(sock)
+        self.daemon = (await self.call(_hello(client), P.Welcome)).daemon
+        return self
+
+    async def call(self, msg: P.Msg, expect: type[R], fds: Sequence[int] = ()) -> R:
+        body = frame(P.encoder.encode(msg))
+        async with self._lock:
+            try:
+                if fds:
+                    body = body[self.sock.sendmsg([body], _fds_message(fds)):]
+                if body:
+                    await self.loop.sock_sendall(self.sock, body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon closed first; a refusal it sent before closing is still readable
+            frames = self.reader.feed(b"")
+            while not frames:
+                data = await self.loop.sock_recv(self.sock, 1 << 16)
+                if not data:
+                    raise ConnectionError("daemon closed the connection")
+                frames = self.reader.feed(data)
+        return _reply(frames[0], expect)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Requests:
+    """The messages one engine rank sends (the same for the sync and the asyncio client)."""
+
+    def __init__(self, engine_id: str, rank: int, tp_size: int) -> None:
+        self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+
+    def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
+                 fds: Sequence[int] = ()) -> tuple[P.Register, list[int]]:
+        """The registration and the fds that travel with it.
+
+        Host memory: `shm_fds`, one memfd per geometry buffer (sizes from the geometry). GPU
+        memory: `memory` handles (cuda_vmm with their fds in `fds`, in order; or cuda_ipc).
+        """
+        if shm_fds:
+            handles, sent = [P.MemoryHandle("shm", size) for size in geometry.buffers], list(shm_fds)
+        else:
+            handles, sent = list(memory), list(fds)
+        return P.Register(self.engine_id, self.rank, self.tp_size, geometry, handles), sent
+
+    def unregister(self) -> P.Unregister:
+        return P.Unregister(self.engine_id, self.rank)
+
+    def hold(self, request_id: str, lease_s: float, block_ids: BlockLists) -> P.Hold:
+        return P.Hold(self.engine_id, self.rank, request_id, lease_s, _blocks(block_ids))
+
+    def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
+             remote_blocks: BlockLists, deadline_s: float) -> P.Read:
+        return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, _blocks(local_blocks),
+                      _blocks(remote_blocks), deadline_s)
+
+    def poll(self, wait_s: float, max_items: int) -> P.Poll:
+        return P.Poll(self.engine_id, self.rank, wait_s, max_items)
+
+
+def _blocks(lists: BlockLists) -> list[list[int]]:
+    return [[int(b) for b in blocks] for blocks in lists]
 
 
 class EngineClient:
@@ -36,39 +199,33 @@ class EngineClient:
 
     def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, timeout: float = 30.0) -> None:
         self.rpc = Client(socket_path, timeout, client=f"{engine_id}/{rank}")
+        self.requests = Requests(engine_id, rank, tp_size)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
 
-    def register(self, geometry: Geometry, shm_fds: list[int] = (), memory: list[P.MemoryHandle] = (),
-                 fds: list[int] = ()) -> str:
-        """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
-
-        Host memory: `shm_fds`, one memfd per geometry buffer. GPU memory: `memory` handles
-        (cuda_vmm with their fds in `fds`, in order; or cuda_ipc handles).
-        """
-        memory, shm = _memory(geometry, shm_fds, memory)
-        reply = self.rpc.call(P.Register(self.engine_id, self.rank, self.tp_size, geometry, memory),
-                              shm or list(fds))
-        self.side_channel = reply.side_channel
-        return reply.side_channel
+    def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
+                 fds: Sequence[int] = ()) -> str:
+        """Hand the daemon this rank's KV memory; returns the side channel peers should dial."""
+        msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
+        self.side_channel = self.rpc.call(msg, P.Registered, sent).side_channel
+        return self.side_channel
 
     def unregister(self) -> None:
-        self.rpc.call(P.Unregister(self.engine_id, self.rank))
+        self.rpc.call(self.requests.unregister(), P.Ok)
 
-    def hold(self, request_id: str, lease_s: float = 30.0, block_ids: list[list[int]] = ()) -> None:
-        self.rpc.call(P.Hold(self.engine_id, self.rank, request_id, lease_s, [list(b) for b in block_ids]))
+    def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = ()) -> None:
+        self.rpc.call(self.requests.hold(request_id, lease_s, block_ids), P.Ok)
 
-    def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks, remote_blocks,
-             deadline_s: float = 30.0) -> None:
-        self.rpc.call(P.Read(self.engine_id, self.rank, request_id, remote, num_tokens,
-                             [list(map(int, b)) for b in local_blocks], [list(map(int, b)) for b in remote_blocks],
-                             deadline_s))
+    def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
+             remote_blocks: BlockLists, deadline_s: float = 30.0) -> None:
+        self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks, deadline_s),
+                      P.Ok)
 
     def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
-        return self.rpc.call(P.Poll(self.engine_id, self.rank, wait_s, max_items), timeout=wait_s + 30).items
+        return self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions, timeout=wait_s + 30).items
 
-    def status(self) -> dict:
-        return self.rpc.call(P.StatusQuery()).status
+    def status(self) -> P.Status:
+        return self.rpc.status()
 
     def close(self) -> None:
         self.rpc.close()
@@ -76,7 +233,7 @@ class EngineClient:
     def __enter__(self) -> EngineClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -84,34 +241,34 @@ class AsyncEngineClient:
     """The same calls for engines that run an asyncio loop."""
 
     def __init__(self, rpc: AsyncClient, engine_id: str, rank: int, tp_size: int) -> None:
-        self.rpc, self.engine_id, self.rank, self.tp_size = rpc, engine_id, rank, tp_size
+        self.rpc = rpc
+        self.requests = Requests(engine_id, rank, tp_size)
+        self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
 
     @classmethod
     async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> AsyncEngineClient:
         return cls(await AsyncClient.connect(socket_path, f"{engine_id}/{rank}"), engine_id, rank, tp_size)
 
-    async def register(self, geometry: Geometry, shm_fds: list[int] = (), memory: list[P.MemoryHandle] = (),
-                       fds: list[int] = ()) -> str:
-        memory, shm = _memory(geometry, shm_fds, memory)
-        return (await self.rpc.call(P.Register(self.engine_id, self.rank, self.tp_size, geometry, memory),
-                                    shm or list(fds))).side_channel
+    async def register(self, geometry: Geometry, shm_fds: Sequence[int] = (),
+                       memory: Sequence[P.MemoryHandle] = (), fds: Sequence[int] = ()) -> str:
+        msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
+        return (await self.rpc.call(msg, P.Registered, sent)).side_channel
 
     async def unregister(self) -> None:
-        await self.rpc.call(P.Unregister(self.engine_id, self.rank))
+        await self.rpc.call(self.requests.unregister(), P.Ok)
 
-    async def hold(self, request_id: str, lease_s: float = 30.0, block_ids: list[list[int]] = ()) -> None:
-        await self.rpc.call(P.Hold(self.engine_id, self.rank, request_id, lease_s, [list(b) for b in block_ids]))
+    async def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = ()) -> None:
+        await self.rpc.call(self.requests.hold(request_id, lease_s, block_ids), P.Ok)
 
-    async def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks, remote_blocks,
-                   deadline_s: float = 30.0) -> None:
-        await self.rpc.call(P.Read(self.engine_id, self.rank, request_id, remote, num_tokens,
-                                   [list(map(int, b)) for b in local_blocks],
-                                   [list(map(int, b)) for b in remote_blocks], deadline_s))
+    async def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
+                   remote_blocks: BlockLists, deadline_s: float = 30.0) -> None:
+        await self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks,
+                                               deadline_s), P.Ok)
 
     async def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
-        return (await self.rpc.call(P.Poll(self.engine_id, self.rank, wait_s, max_items))).items
+        return (await self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions)).items
 
-    async def stream(self, wait_s: float = 1.0):
+    async def stream(self, wait_s: float = 1.0) -> AsyncIterator[P.Completion]:
         """Completions as they come (long-polls under the hood)."""
         while True:
             for item in await self.poll(wait_s):
@@ -120,3 +277,5 @@ class AsyncEngineClient:
 
     def close(self) -> None:
         self.rpc.close()
+
+

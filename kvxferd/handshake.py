@@ -1,49 +1,57 @@
-"""Daemon <-> daemon side channel over ZMQ: who are you, what memory do you have.
+"""The daemon <-> daemon protocol: the ZMQ side channel and the READ notification.
 
 The decode daemon asks the prefill daemon for an engine's ranks; the answer carries the
 NIXL agent metadata and, per rank, the compatibility hash, the geometry and the buffer
-addresses. Payloads are msgspec msgpack (never pickle); every wait has a deadline.
+addresses. Every READ then carries a `Notification` telling the prefill daemon which held
+request a consumer has finished. Payloads are msgspec msgpack (never pickle); every wait
+has a deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
+from msgspec import Meta
 
 from .plan.geometry import Geometry
-from .protocol import DECODE_ERRORS
+from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
 HANDSHAKE_VERSION = 1
 MAX_MESSAGE = 256 << 20
 
 
+HandshakeFailure = Literal["timeout", "unreachable", "malformed", "refused", "invalid"]
+
+
 class HandshakeError(RuntimeError):
     """A handshake that failed; `reason` is a short label for metrics."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: HandshakeFailure, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
 class HandshakeRequest(msgspec.Struct, forbid_unknown_fields=True):
     version: int
-    engine_id: str
+    engine_id: Name
     requester: str = ""
 
 
 class RankInfo(msgspec.Struct):
-    tp_rank: int
-    tp_size: int
+    tp_rank: Rank
+    tp_size: TpSize
     compat_hash: str
     geometry: Geometry
-    buffer_addrs: list[int]
-    mem_type: str = "DRAM"
-    device: int = 0
+    buffer_addrs: list[Annotated[int, Meta(ge=0)]]
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    device: Annotated[int, Meta(ge=0, le=1023)] = 0
 
 
 class HandshakeReply(msgspec.Struct):
@@ -52,6 +60,28 @@ class HandshakeReply(msgspec.Struct):
     agent: str = ""
     metadata: bytes = b""
     ranks: list[RankInfo] = []
+
+
+class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
+    """Sent with each READ (or alone, to a rank nothing is read from): one consumer of the
+    prefill engine's held request is done. On the wire:
+    `["KVX1", engine, prefill rank, prefill request id, expected consumers]`."""
+
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
+    expected: Annotated[int, Meta(ge=1, le=4096)]  # consumers the hold waits for
+
+
+_notification_decoder = msgspec.msgpack.Decoder(Notification)
+
+
+def decode_notification(data: bytes) -> Notification | None:
+    """A peer's notification, or None when the bytes are not one (counted, never raised)."""
+    try:
+        return _notification_decoder.decode(data)
+    except DECODE_ERRORS:
+        return None
 
 
 _req_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
@@ -80,6 +110,7 @@ def weights_mismatch(local: Geometry, remote: Geometry) -> str:
 
 
 def explain_mismatch(local: Geometry, remote: Geometry) -> str:
+    """The compatibility fields that differ, for the error a read ends with."""
     a, b = compat_fields(local), compat_fields(remote)
     diffs = [f"{k}: local {a[k][:80]!r} vs remote {b[k][:80]!r}" for k in a if a[k] != b[k]]
     return "compatibility hash mismatch; " + "; ".join(diffs)
@@ -120,16 +151,18 @@ def generate_keys(directory: str, name: str = "kvxferd") -> tuple[str, str]:
     return zmq.auth.create_certificates(directory, name)
 
 
+Answer = Callable[[HandshakeRequest], HandshakeReply]
+
+
 class HandshakeServer:
     """ROUTER socket answering handshake requests with `answer(request) -> reply`."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer,
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer: Answer,
                  curve: CurveKeys | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small
         self.auth = None
-        self.unauthenticated = 0
         if curve is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -149,27 +182,23 @@ class HandshakeServer:
             self.port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.answer = answer
-        self.bad_requests = 0
 
-    async def watch_auth(self, on_refused) -> None:
-        """Count peers refused at the ZMTP handshake (no or wrong CurveZMQ key)."""
+    async def watch_auth(self, on_refused: Callable[[int], None]) -> None:
+        """Report peers refused at the ZMTP handshake (no or wrong CurveZMQ key)."""
         from zmq.utils.monitor import parse_monitor_message
 
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
-            self.unauthenticated += 1
-            on_refused(event["event"])
+            on_refused(int(event["event"]))
 
     async def run(self) -> None:
         while True:
             parts = await self.sock.recv_multipart()
             if len(parts) != 3 or parts[1] != b"":
-                self.bad_requests += 1
-                continue
+                continue  # not a REQ socket's envelope: nothing to answer
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
             except DECODE_ERRORS as exc:
-                self.bad_requests += 1
                 reply = HandshakeReply(False, f"malformed handshake request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
                 reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")

@@ -13,10 +13,12 @@ import mmap
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import numpy as np
+
+MemType = Literal["DRAM", "VRAM"]  # NIXL's names
 
 
 class MappingError(RuntimeError):
@@ -43,7 +45,7 @@ def buffer_address(buf: mmap.mmap) -> int:
 class Mapping:
     """One engine buffer as the daemon sees it."""
 
-    kind: str  # "DRAM" or "VRAM" (NIXL memory type)
+    kind: MemType
     address: int
     nbytes: int
     device: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,7 +20,6 @@ from . import __version__
 
 disable_created_metrics()  # *_created series only add noise to every dashboard query
 
-FAILURE_KINDS = ("handshake", "plan", "transfer", "deadline", "engine_gone", "internal")
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DESCS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
@@ -79,7 +79,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-async def serve_http(metrics: Metrics, host: str, port: int, ready) -> asyncio.AbstractServer:
+async def serve_http(metrics: Metrics, host: str, port: int, ready: Callable[[], bool]) -> asyncio.Server:
     """A minimal HTTP/1.0 exporter on the daemon's loop (no thread touches daemon state)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

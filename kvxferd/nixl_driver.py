@@ -13,17 +13,28 @@ import logging
 import os
 import secrets
 import sys
+from types import ModuleType
+from typing import Literal, NewType
 
 import numpy as np
+import numpy.typing as npt
+
+from .memory import MemType
 
 DONE, PENDING = "DONE", "PROC"
+XferState = Literal["DONE", "PROC"]
+
+# NIXL's handles, opaque to kvxferd; distinct types so one is never passed for another.
+Registration = NewType("Registration", object)  # registered memory (deregister takes it)
+PreparedList = NewType("PreparedList", object)  # a prepared descriptor list, local or remote
+XferHandle = NewType("XferHandle", object)  # one posted READ
 
 
 class TransferError(RuntimeError):
     """NIXL reported a failed transfer (remote disconnect, backend error)."""
 
 
-def nixl_api():
+def nixl_api() -> ModuleType:
     """NIXL's Python API, its own log lines moved from stdout to stderr.
 
     NIXL configures its logger with a handler on stdout; kvxferd keeps stdout for what a
@@ -49,16 +60,16 @@ class NixlDriver:
         self.telemetry = telemetry
 
     # --- memory ---------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, mem_type: str = "DRAM", device: int = 0):
+    def register(self, addr: int, nbytes: int, mem_type: MemType = "DRAM", device: int = 0) -> Registration:
         """Register one buffer; returns the handle `deregister` takes."""
         descs = self.agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
-        return self.agent.register_memory(descs, mem_type)
+        return Registration(self.agent.register_memory(descs, mem_type))
 
-    def deregister(self, handle) -> None:
+    def deregister(self, handle: Registration) -> None:
         self.agent.deregister_memory(handle)
 
     def metadata(self) -> bytes:
-        return self.agent.get_agent_metadata()
+        return bytes(self.agent.get_agent_metadata())
 
     # --- peers ----------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
@@ -69,17 +80,19 @@ class NixlDriver:
         self.agent.remove_remote_agent(name)
 
     # --- descriptor lists ------------------------------------------------------
-    def prep_local(self, descs: np.ndarray, mem_type: str = "DRAM"):
-        return self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.agent.get_xfer_descs(descs, mem_type), mem_type)
+    def prep_local(self, descs: npt.NDArray[np.int64], mem_type: MemType = "DRAM") -> PreparedList:
+        return PreparedList(self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.agent.get_xfer_descs(descs, mem_type),
+                                                       mem_type))
 
-    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: str = "DRAM"):
-        return self.agent.prep_xfer_dlist(peer, self.agent.get_xfer_descs(descs, mem_type), mem_type)
+    def prep_remote(self, peer: str, descs: npt.NDArray[np.int64], mem_type: MemType = "DRAM") -> PreparedList:
+        return PreparedList(self.agent.prep_xfer_dlist(peer, self.agent.get_xfer_descs(descs, mem_type), mem_type))
 
-    def release_dlist(self, handle) -> None:
+    def release_dlist(self, handle: PreparedList) -> None:
         self.agent.release_dlist_handle(handle)
 
     # --- transfers ------------------------------------------------------------
-    def read(self, local_handle, local_ids: np.ndarray, remote_handle, remote_ids: np.ndarray, notif: bytes):
+    def read(self, local_handle: PreparedList, local_ids: np.ndarray, remote_handle: PreparedList,
+             remote_ids: np.ndarray, notif: bytes) -> XferHandle:
         """Post a READ; returns the transfer handle. Raises TransferError if NIXL refuses it."""
         try:
             handle = self.agent.make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids, notif)
@@ -89,19 +102,19 @@ class NixlDriver:
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransferError("posting READ failed: NIXL returned ERR")
-        return handle
+        return XferHandle(handle)
 
-    def state(self, handle) -> str:
+    def state(self, handle: XferHandle) -> XferState:
         """DONE or PROC; raises TransferError on any failure NIXL reports."""
         try:
             state = self.agent.check_xfer_state(handle)
         except Exception as exc:
             raise TransferError(str(exc)) from exc
-        if state not in (DONE, PENDING):
-            raise TransferError(f"transfer state {state}")
-        return state
+        if state in (DONE, PENDING):
+            return state
+        raise TransferError(f"transfer state {state}")
 
-    def telemetry_of(self, handle) -> tuple[float, float] | None:
+    def telemetry_of(self, handle: XferHandle) -> tuple[float, float] | None:
         """(post seconds, transfer seconds) of a finished transfer, when telemetry is on."""
         if not self.telemetry:
             return None
@@ -111,7 +124,7 @@ class NixlDriver:
         except Exception:
             return None
 
-    def release(self, handle) -> None:
+    def release(self, handle: XferHandle) -> None:
         self.agent.release_xfer_handle(handle)
 
     # --- notifications --------------------------------------------------------
@@ -122,4 +135,4 @@ class NixlDriver:
             raise TransferError(f"notification to {peer} failed: {exc}") from exc
 
     def notifications(self) -> dict[str, list[bytes]]:
-        return self.agent.get_new_notifs()
+        return dict(self.agent.get_new_notifs())

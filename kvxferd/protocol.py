@@ -5,14 +5,36 @@ Every request is one frame; the daemon answers each with exactly one frame, in o
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from .plan.geometry import Geometry
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
+
+# Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
+Rank = Annotated[int, Meta(ge=0, le=4095)]
+TpSize = Annotated[int, Meta(ge=1, le=4096)]
+Seconds = Annotated[float, Meta(gt=0, le=86400)]
+WaitSeconds = Annotated[float, Meta(ge=0, le=3600)]
+Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
+Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Blocks = list[list[Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]]]
+
+ErrorCode = Literal["bad_request", "unknown_engine", "unsupported", "internal", "version", "forbidden"]
+
+
+class RequestError(Exception):
+    """A request the daemon refuses; answered as an `Error` with this code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
@@ -22,8 +44,8 @@ class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
 class MemoryHandle(msgspec.Struct, forbid_unknown_fields=True):
     """One engine buffer. shm and cuda_vmm: its fd travels as SCM_RIGHTS with the frame."""
     kind: Literal["shm", "cuda_vmm", "cuda_ipc"]
-    nbytes: int  # size of the allocation (>= the geometry's buffer size)
-    device: int = 0  # CUDA device ordinal (cuda_*)
+    nbytes: Bytes  # size of the allocation (>= the geometry's buffer size)
+    device: Annotated[int, Meta(ge=0, le=1023)] = 0  # CUDA device ordinal (cuda_*)
     cuda_handle: bytes = b""  # cuda_ipc: from memory.export_cuda
 
     @property
@@ -37,59 +59,59 @@ class Hello(Msg, tag="hello"):
 
 
 class Register(Msg, tag="register"):
-    engine_id: str
-    tp_rank: int
-    tp_size: int
+    engine_id: Name
+    tp_rank: Rank
+    tp_size: TpSize
     geometry: Geometry
     memory: list[MemoryHandle]  # one per geometry buffer, shm fds in the same order
 
 
 class Unregister(Msg, tag="unregister"):
-    engine_id: str
-    tp_rank: int
+    engine_id: Name
+    tp_rank: Rank
 
 
 class Hold(Msg, tag="hold"):
     """Prefill: keep request's blocks until its consumers have read them or the lease ends."""
-    engine_id: str
-    tp_rank: int
-    request_id: str
-    lease_s: float = 30.0
-    block_ids: list[list[int]] = []
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
+    lease_s: Seconds = 30.0
+    block_ids: Blocks = []
 
 
 class RemoteRef(msgspec.Struct, forbid_unknown_fields=True):
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    request_id: str
+    engine_id: Name
+    host: Name
+    port: Port
+    tp_size: TpSize
+    request_id: Name
 
 
 class Read(Msg, tag="read"):
     """Decode: pull `remote.request_id` from the remote engine into these local blocks."""
-    engine_id: str
-    tp_rank: int
-    request_id: str
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
     remote: RemoteRef
-    num_tokens: int
-    local_blocks: list[list[int]]  # per cache group: the missing tail (attention) / state blocks
-    remote_blocks: list[list[int]]
-    deadline_s: float = 30.0
+    num_tokens: Tokens
+    local_blocks: Blocks  # per cache group: the missing tail (attention) / state blocks
+    remote_blocks: Blocks
+    deadline_s: Seconds = 30.0
 
 
 class Poll(Msg, tag="poll"):
-    engine_id: str
-    tp_rank: int
-    wait_s: float = 0.0  # long-poll: wait up to this long for the first completion
-    max_items: int = 1024
+    engine_id: Name
+    tp_rank: Rank
+    wait_s: WaitSeconds = 0.0  # long-poll: wait up to this long (at most 60 s) for the first completion
+    max_items: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
 
 
 class StatusQuery(Msg, tag="status"):
     pass
 
 
-Request = Union[Hello, Register, Unregister, Hold, Read, Poll, StatusQuery]
+Request = Hello | Register | Unregister | Hold | Read | Poll | StatusQuery
 
 
 class Completion(msgspec.Struct):
@@ -119,16 +141,116 @@ class Completions(Msg, tag="completions"):
     items: list[Completion]
 
 
+# --- status: what `kvxferd status` shows; its --json is this Struct as JSON ----------------
+
+
+class EngineStatus(msgspec.Struct):
+    engine: str
+    rank: int
+    tp_size: int
+    model: str
+    bytes: int
+    memory: str  # NIXL memory type, "-" once released
+    state: Literal["serving", "closing"]
+    pinned: int  # reads (in flight or quarantined) that may still touch this memory
+    pending_completions: int
+
+
+class PeerStatus(msgspec.Struct):
+    engine: str
+    address: str
+    agent: str
+    handshake_age_s: float | None
+    handshake_s: float
+    plans: int
+    ranks: list[int]
+    active: int  # reads using this peer's prepared lists
+
+
+class ReadStatus(msgspec.Struct):
+    engine: str
+    rank: int
+    request: str
+    peer: str
+    age_s: float
+
+
+class HoldStatus(msgspec.Struct):
+    engine: str
+    rank: int
+    request: str
+    consumers: str  # "notified/expected"; "?" until the first consumer says how many
+    age_s: float
+    expires_in_s: float
+
+
+class Recent(msgspec.Struct):
+    window_s: int
+    reads: int
+    bytes: int
+    bytes_per_s: float
+
+
+class Counters(msgspec.Struct):
+    received: int = 0
+    failed: int = 0
+    sent: int = 0
+    expired: int = 0
+    unknown_notifs: int = 0
+    handshakes: int = 0
+    handshake_failures: int = 0
+    unauthenticated_peers: int = 0
+
+
+class Percentiles(msgspec.Struct, omit_defaults=True):
+    n: int
+    p50: float | None = None  # microseconds
+    p99: float | None = None
+
+
+class Latency(msgspec.Struct):
+    rpc_to_post: Percentiles
+    rpc_to_completion: Percentiles
+
+
+class FailureRecord(msgspec.Struct):
+    time: float
+    engine: str
+    rank: int
+    request: str
+    peer: str
+    reason: str
+
+
+class Status(msgspec.Struct):
+    version: str
+    agent: str
+    uptime_s: float
+    socket: str
+    side_channel: str
+    side_channel_auth: Literal["curve", "none"]
+    metrics: str | None
+    engines: list[EngineStatus]
+    peers: list[PeerStatus]
+    in_flight: list[ReadStatus]
+    quarantined: int
+    held: list[HoldStatus]
+    recent: Recent
+    counters: Counters
+    latency_us: Latency
+    failures: list[FailureRecord]
+
+
 class StatusReply(Msg, tag="status_reply"):
-    status: dict
+    status: Status
 
 
 class Error(Msg, tag="error"):
-    code: str  # bad_request, unknown_engine, unsupported, internal, version
+    code: ErrorCode
     message: str
 
 
-Reply = Union[Welcome, Registered, Ok, Completions, StatusReply, Error]
+Reply = Welcome | Registered | Ok | Completions | StatusReply | Error
 
 # What decoding untrusted bytes may raise (msgspec reports bad UTF-8 as UnicodeDecodeError).
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)

@@ -1,4 +1,4 @@
-"""Unix-socket transport for the engine protocol: length-prefixed frames, fd passing.
+"""Unix-socket transport for the engine protocol: framing, fd passing, and the daemon's server.
 
     frame = | length: u32 big-endian | msgpack body (protocol.Request / protocol.Reply) |
 
@@ -15,6 +15,7 @@ import socket
 import stat
 import struct
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from . import protocol as P
@@ -25,14 +26,6 @@ _ANC = socket.CMSG_SPACE(256 * array.array("i").itemsize)
 
 class FrameError(ValueError):
     """A frame that violates the transport (too large, truncated ancillary data)."""
-
-
-class DaemonError(RuntimeError):
-    """The daemon answered a request with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 def frame(body: bytes) -> bytes:
@@ -47,7 +40,7 @@ class FrameReader:
         self._buf = bytearray()
         self.fds: deque[int] = deque()
 
-    def feed(self, data: bytes, ancdata=()) -> list[bytes]:
+    def feed(self, data: bytes, ancdata: list[tuple[int, int, bytes]] | tuple[()] = ()) -> list[bytes]:
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -81,6 +74,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", data)
 
 
+OnFrame = Callable[["ServerConnection", "bytes | Exception"], "bytes | Awaitable[bytes]"]
+OnConnection = Callable[["ServerConnection"], None]
+
+
 class ServerConnection:
     """One engine connection on the daemon side, served from the event loop's read callback.
 
@@ -90,13 +87,12 @@ class ServerConnection:
     queue stand between a request and its answer on the common path.
     """
 
-    def __init__(self, sock: socket.socket, max_frame: int, on_frame, on_close) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int, on_frame: OnFrame, on_close: OnConnection) -> None:
         self.sock = sock
         self.reader = FrameReader(max_frame)
         self.credentials = peer_credentials(sock)
         self.loop = asyncio.get_running_loop()
         self.on_frame, self.on_close = on_frame, on_close
-        self.owned: set = set()  # what the daemon registered through this connection
         self.backlog: deque[bytes] = deque()
         self.busy = False  # an async reply is pending
         self.out = b""  # reply bytes the socket did not take yet
@@ -122,7 +118,7 @@ class ServerConnection:
             return
         self._drain()
         if not data:
-            self._shutdown()
+            self.close()
 
     def _drain(self) -> None:
         while self.backlog and not self.busy and not self.closed:
@@ -131,15 +127,15 @@ class ServerConnection:
                 self.write(reply)
             else:
                 self.busy = True
-                self.loop.create_task(reply).add_done_callback(self._replied)
+                asyncio.ensure_future(reply).add_done_callback(self._replied)
 
-    def _replied(self, task: asyncio.Task) -> None:
+    def _replied(self, task: asyncio.Future[bytes]) -> None:
         self.busy = False
         if not task.cancelled() and task.exception() is None and not self.closed:
             self.write(task.result())
         self._drain()
         if self._closing:
-            self._shutdown()
+            self.close()
 
     def write(self, body: bytes) -> None:
         """Queue one reply; the socket takes it now or when it becomes writable."""
@@ -154,7 +150,7 @@ class ServerConnection:
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            self._shutdown()
+            self.close()
             return
         if sent < len(data):
             self.out = data[sent:]
@@ -166,7 +162,7 @@ class ServerConnection:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._shutdown()
+            self.close()
             return
         self.out = self.out[sent:]
         if not self.out:
@@ -174,10 +170,12 @@ class ServerConnection:
 
     def fail(self, exc: Exception) -> None:
         """A transport error: answer it (the caller encodes it) and close."""
-        self.write(self.on_frame(self, exc))
-        self._shutdown()
+        reply = self.on_frame(self, exc)
+        if isinstance(reply, bytes):  # an error is always answered at once
+            self.write(reply)
+        self.close()
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
         """The peer is gone (or must go): stop reading; close once no reply is pending."""
         self._closing = True
         if self.busy or self.closed:
@@ -191,8 +189,9 @@ class ServerConnection:
         self.sock.close()
 
 
-async def serve_unix(path: str, on_connect, on_frame, on_close, mode: int = 0o600, max_frame: int = P.MAX_FRAME,
-                     group: int | None = None) -> tuple[socket.socket, asyncio.Task]:
+async def serve_unix(path: str, on_connect: OnConnection, on_frame: OnFrame, on_close: OnConnection,
+                     mode: int = 0o600, max_frame: int = P.MAX_FRAME,
+                     group: int | None = None) -> tuple[socket.socket, asyncio.Task[None]]:
     """Listen on `path` (its directory made 0700 if we create it); see ServerConnection."""
     p = Path(path)
     if not p.parent.exists():
@@ -219,111 +218,3 @@ async def serve_unix(path: str, on_connect, on_frame, on_close, mode: int = 0o60
             on_connect(ServerConnection(conn, max_frame, on_frame, on_close))
 
     return sock, asyncio.create_task(accept_loop())
-
-
-class Client:
-    """Synchronous engine-side client; the reference implementation of the protocol."""
-
-    def __init__(self, path: str, timeout: float = 30.0, client: str = "") -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(path)
-        except OSError as exc:
-            self.sock.close()
-            raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
-        self.reader = FrameReader()
-        reply = self.call(P.Hello(P.PROTOCOL_VERSION, client or f"pid {os.getpid()}"))
-        self.daemon = reply.daemon
-
-    def call(self, msg: P.Msg, fds: list[int] = (), timeout: float | None = None) -> P.Msg:
-        body = frame(P.encoder.encode(msg))
-        try:
-            if fds:
-                sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                if sent < len(body):
-                    self.sock.sendall(body[sent:])
-            else:
-                self.sock.sendall(body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the daemon closed first; a refusal it sent before closing is still readable
-        if timeout is not None:
-            self.sock.settimeout(timeout)
-        reply = self._recv()
-        if isinstance(reply, P.Error):
-            raise DaemonError(reply.code, reply.message)
-        return reply
-
-    def _recv(self) -> P.Msg:
-        while True:
-            frames = self.reader.feed(b"")
-            if frames:
-                return P.reply_decoder.decode(frames[0])
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("daemon closed the connection")
-            frames = self.reader.feed(data)
-            if frames:
-                if len(frames) > 1:
-                    raise FrameError("daemon sent more than one reply")
-                return P.reply_decoder.decode(frames[0])
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncClient:
-    """asyncio engine-side client (same protocol, same replies)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader = FrameReader()
-        self.loop = asyncio.get_running_loop()
-        self._lock = asyncio.Lock()
-        self.daemon = ""
-
-    @classmethod
-    async def connect(cls, path: str, client: str = "") -> AsyncClient:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, path)
-        except OSError as exc:
-            sock.close()
-            raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
-        self = cls(sock)
-        self.daemon = (await self.call(P.Hello(P.PROTOCOL_VERSION, client or f"pid {os.getpid()}"))).daemon
-        return self
-
-    async def call(self, msg: P.Msg, fds: list[int] = ()) -> P.Msg:
-        body = frame(P.encoder.encode(msg))
-        async with self._lock:
-            try:
-                if fds:
-                    sent = self.sock.sendmsg([body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                    body = body[sent:]
-                if body:
-                    await self.loop.sock_sendall(self.sock, body)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the daemon closed first; a refusal it sent before closing is still readable
-            while True:
-                data = await self.loop.sock_recv(self.sock, 1 << 16)
-                if not data:
-                    raise ConnectionError("daemon closed the connection")
-                frames = self.reader.feed(data)
-                if frames:
-                    reply = P.reply_decoder.decode(frames[0])
-                    break
-        if isinstance(reply, P.Error):
-            raise DaemonError(reply.code, reply.message)
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-

@@ -1,19 +1,25 @@
-"""Text rendering of `kvxferd status`."""
+"""Text rendering of `kvxferd status` (its --json is the `protocol.Status` Struct itself)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def _table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
+import msgspec
+
+from .protocol import Status
+
+
+def _table(rows: Sequence[msgspec.Struct], cols: list[tuple[str, str]]) -> list[str]:
     if not rows:
         return ["  (none)"]
-    cells = [[_fmt(r.get(key)) for key, _ in cols] for r in rows]
+    cells = [[_fmt(getattr(r, key)) for key, _ in cols] for r in rows]
     widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (_, title) in enumerate(cols)]
     out = ["  " + "  ".join(t.ljust(w) for (_, t), w in zip(cols, widths))]
     out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     return out
 
 
-def _fmt(v) -> str:
+def _fmt(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -23,26 +29,26 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def render(st: dict) -> str:
-    c, rec = st["counters"], st["recent"]
-    lines = [f"kvxferd {st['version']}  agent {st['agent']}  up {st['uptime_s']:.0f}s",
-             f"socket {st['socket']}  side channel {st['side_channel']}",
-             f"reads: {c['received']} received, {c['failed']} failed   holds: {c['sent']} sent, {c['expired']} "
-             f"expired   last {rec['window_s']}s: {rec['reads']} reads, {rec['bytes_per_s'] / 1e6:.1f} MB/s"
-             f"   quarantined: {st['quarantined']}", "", "engines"]
-    lines += _table(st["engines"], [("engine", "ENGINE"), ("rank", "RANK"), ("tp_size", "TP"), ("memory", "MEM"),
-                                    ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
+def render(st: Status) -> str:
+    c, rec = st.counters, st.recent
+    lines = [f"kvxferd {st.version}  agent {st.agent}  up {st.uptime_s:.0f}s",
+             f"socket {st.socket}  side channel {st.side_channel}",
+             f"reads: {c.received} received, {c.failed} failed   holds: {c.sent} sent, {c.expired} "
+             f"expired   last {rec.window_s}s: {rec.reads} reads, {rec.bytes_per_s / 1e6:.1f} MB/s"
+             f"   quarantined: {st.quarantined}", "", "engines"]
+    lines += _table(st.engines, [("engine", "ENGINE"), ("rank", "RANK"), ("tp_size", "TP"), ("memory", "MEM"),
+                                 ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
     lines += ["", "peers"]
-    lines += _table(st["peers"], [("engine", "ENGINE"), ("address", "ADDRESS"), ("agent", "AGENT"),
-                                  ("handshake_age_s", "AGE s"), ("plans", "PLANS"), ("ranks", "RANKS"),
-                                  ("active", "ACTIVE")])
+    lines += _table(st.peers, [("engine", "ENGINE"), ("address", "ADDRESS"), ("agent", "AGENT"),
+                               ("handshake_age_s", "AGE s"), ("plans", "PLANS"), ("ranks", "RANKS"),
+                               ("active", "ACTIVE")])
     lines += ["", "in flight"]
-    lines += _table(st["in_flight"], [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
-                                      ("peer", "PEER"), ("age_s", "AGE s")])
+    lines += _table(st.in_flight, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
+                                   ("peer", "PEER"), ("age_s", "AGE s")])
     lines += ["", "held"]
-    lines += _table(st["held"], [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
-                                 ("consumers", "CONSUMERS"), ("age_s", "AGE s"), ("expires_in_s", "EXPIRES s")])
+    lines += _table(st.held, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
+                              ("consumers", "CONSUMERS"), ("age_s", "AGE s"), ("expires_in_s", "EXPIRES s")])
     lines += ["", "recent failures"]
-    lines += _table(st["failures"], [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
-                                     ("peer", "PEER"), ("reason", "REASON")])
+    lines += _table(st.failures, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
+                                  ("peer", "PEER"), ("reason", "REASON")])
     return "\n".join(lines)

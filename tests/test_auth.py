@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvxferd.client import Client, DaemonError
 from kvxferd.plan.models import PRESETS
-from kvxferd.rpc import Client, DaemonError
 from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
@@ -81,7 +81,7 @@ def test_curve_side_channel_transfers_and_refuses_strangers(keys):
     with Cluster(SHAPE, 2, 2, daemon_args=curve_args(cluster_keys, "kvxferd")) as c:
         out = c.transfer(0, num_tokens=40)
         assert out["status"] == "received"
-        assert c.status(0)["side_channel_auth"] == "curve"
+        assert c.status(0).side_channel_auth == "curve"
         # a daemon with another key, and one with none, are both refused by the prefill daemon
         for args in (curve_args(stranger, "stranger"), ["--handshake-timeout", "1"]):
             d = DaemonProcess(c.work, f"intruder-{len(args)}", extra=args)
@@ -98,5 +98,5 @@ def test_curve_side_channel_transfers_and_refuses_strangers(keys):
                     e.close()
             finally:
                 d.stop()
-        assert c.status(0)["counters"]["unauthenticated_peers"] >= 2
+        assert c.status(0).counters.unauthenticated_peers >= 2
         assert c.transfer(1, num_tokens=40)["status"] == "received"

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from kvxferd import handshake as hs
 from kvxferd import protocol as P
+from kvxferd.client import Client, DaemonError
 from kvxferd.memory import create_shm
 from kvxferd.plan.descriptors import RequestBlocks, request_indices
 from kvxferd.plan.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.plan.planner import PlanError, plan_rank
-from kvxferd.rpc import Client, DaemonError, FrameError, FrameReader
+from kvxferd.rpc import FrameError, FrameReader
 from kvxferd.synthetic.demo import Cluster
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
@@ -58,9 +59,8 @@ def test_request_decoder_wrong_types(op, fields):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_notification_decoder_random_bytes(data):
-    from kvxferd.state import decode_notif
-    parsed = decode_notif(data)
-    assert parsed is None or len(parsed) == 4
+    parsed = hs.decode_notification(data)
+    assert parsed is None or isinstance(parsed, hs.Notification)
 
 
 @settings(max_examples=300, deadline=None)
@@ -188,7 +188,7 @@ def test_truncated_frame_and_garbage(cluster):
 
 def call_error(c: Cluster, msg: P.Msg, fds=()) -> DaemonError:
     with Client(c.daemons[1].socket) as client, pytest.raises(DaemonError) as err:
-        client.call(msg, list(fds))
+        client.call(msg, P.Ok, list(fds))
     return err.value
 
 

@@ -74,7 +74,7 @@ def test_config_precedence(tmp_path):
 
 
 def test_serve_from_config_file(tmp_path):
-    from kvxferd.rpc import Client
+    from kvxferd.client import Client
     from kvxferd.synthetic.demo import DaemonProcess
 
     sock = tmp_path / "s" / "k.sock"

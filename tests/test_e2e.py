@@ -50,9 +50,9 @@ def test_handshake_reused_by_later_requests(cluster):
         out = cluster.transfer(100 + seq, num_tokens=40)
         assert out["status"] == "received" and out["released"] == ["sent", "sent"]
     st = cluster.status(1)
-    assert st["counters"]["handshakes"] == 1
-    (peer,) = st["peers"]
-    assert peer["engine"] == "prefill" and peer["plans"] == 4  # one cached plan per decode rank
+    assert st.counters.handshakes == 1
+    (peer,) = st.peers
+    assert peer.engine == "prefill" and peer.plans == 4  # one cached plan per decode rank
 
 
 def test_partial_and_full_prefix_hits(cluster):
@@ -70,7 +70,7 @@ def test_lease_expires_without_consumers(cluster):
         assert cluster.prefill.call("wait_released", 300, 10) == ["expired", "expired"]
     finally:
         cluster.prefill.call("free", blocks)
-    assert cluster.status(0)["counters"]["expired"] >= 2
+    assert cluster.status(0).counters.expired >= 2
 
 
 def test_read_of_unknown_remote_engine_fails_with_block_ids(cluster):
@@ -82,7 +82,7 @@ def test_read_of_unknown_remote_engine_fails_with_block_ids(cluster):
     assert "not registered" in out["reason"]
     assert out["block_ids"] == [out["local_blocks"]] * 4  # every decode rank reports its invalid blocks
     st = cluster.status(1)
-    fail = st["failures"][-1]
-    assert fail["request"] == "d-400" and "not registered" in fail["reason"]
+    fail = st.failures[-1]
+    assert fail.request == "d-400" and "not registered" in fail.reason
     # ... and the daemon keeps serving the next valid request
     assert cluster.transfer(401, num_tokens=20)["status"] == "received"

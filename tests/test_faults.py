@@ -72,7 +72,7 @@ def test_prefill_daemon_killed_mid_transfer_then_restarts_on_the_same_port():
         c.prefill = EngineProcess(d.socket, "prefill", BIG, 2)
         c.engines.append(c.prefill)
         serves_next_request(c, 2)
-        assert c.status(1)["counters"]["handshakes"] == 2
+        assert c.status(1).counters.handshakes == 2
 
 
 def test_prefill_engine_killed_while_holding():
@@ -81,11 +81,11 @@ def test_prefill_engine_killed_while_holding():
         blocks = c.prefill.call("prefill", 1, 40, 1.5)
         c.prefill.proc.kill()
         # the daemon keeps the dead engine's memory while a reader could still be using it ...
-        st = wait_for(lambda: [e for e in c.status(0)["engines"] if e["state"] == "closing"] and c.status(0),
+        st = wait_for(lambda: [e for e in c.status(0).engines if e.state == "closing"] and c.status(0),
                       10, "engine marked closing")
-        assert st["held"] == []
+        assert st.held == []
         # ... and lets it go once the lease has passed
-        wait_for(lambda: not c.status(0)["engines"], 15, "memory released after the lease")
+        wait_for(lambda: not c.status(0).engines, 15, "memory released after the lease")
         _elapsed, outcomes, _local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
         assert [o[0] for o in outcomes] == ["failed"] * 4
         assert all("not registered" in o[2] for o in outcomes), outcomes
@@ -100,10 +100,10 @@ def test_decode_engine_killed_mid_read():
         blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 5.0)
         c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)
         c.decode.proc.kill()
-        st = wait_for(lambda: (lambda s: s if not s["engines"] and not s["in_flight"] else None)(c.status(1)),
+        st = wait_for(lambda: (lambda s: s if not s.engines and not s.in_flight else None)(c.status(1)),
                       30, "decode memory released after its transfers ended")
-        assert st["quarantined"] == 0
-        assert st["counters"]["failed"] + st["counters"]["received"] >= 4 + 4
+        assert st.quarantined == 0
+        assert st.counters.failed + st.counters.received >= 4 + 4
         # the prefill side is told: every rank's hold ends once (sent if the reads completed, else expired)
         assert sorted(c.prefill.call("wait_released", 1, 15)) in (["sent", "sent"], ["expired", "expired"],
                                                                    ["expired", "sent"])
@@ -123,7 +123,7 @@ def test_peer_unreachable():
         assert elapsed < 1 + 3
         assert [o[0] for o in outcomes] == ["failed"] * 4
         assert all(o[1] == local and "handshake" in o[2] for o in outcomes)
-        assert c.status(1)["counters"]["handshake_failures"] == 1  # one handshake shared by the 4 ranks
+        assert c.status(1).counters.handshake_failures == 1  # one handshake shared by the 4 ranks
         serves_next_request(c, 2)
 
 
@@ -164,7 +164,7 @@ def test_lost_notification_lease_expiry_frees_the_blocks():
         assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
         c.prefill.call("free", blocks)
         st = c.status(0)
-        assert st["held"] == [] and st["counters"]["expired"] == 2
+        assert st.held == [] and st.counters.expired == 2
         serves_next_request(c, 2)
 
 
@@ -187,10 +187,10 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         _, outcomes, local = read_outcome(c, 1, BIG_TOKENS, 0.002, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
         st = c.status(1)
-        assert st["quarantined"] > 0, st  # NIXL cannot cancel: the reads still run, the memory stays
-        assert sum(e["pinned"] for e in st["engines"]) == st["quarantined"], st  # each keeps its rank's memory
-        wait_for(lambda: c.status(1)["quarantined"] == 0, 60, "quarantined transfers to finish")
-        assert all(e["pinned"] == 0 for e in c.status(1)["engines"])
+        assert st.quarantined > 0, st  # NIXL cannot cancel: the reads still run, the memory stays
+        assert sum(e.pinned for e in st.engines) == st.quarantined, st  # each keeps its rank's memory
+        wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined transfers to finish")
+        assert all(e.pinned == 0 for e in c.status(1).engines)
         c.prefill.call("wait_released", 1, 30)
         c.prefill.call("free", blocks)
         serves_next_request(c, 2)

@@ -31,7 +31,7 @@ def test_vram_transfer_byte_exact(model, p_tp, d_tp):
             out = cluster.transfer(seq, num_tokens=17 + 23 * seq, hit_tokens=hit)
             assert out["status"] == "received", out
             assert out["released"] == ["sent"] * p_tp
-        engines = cluster.status(1)["engines"]
+        engines = cluster.status(1).engines
         assert {e["memory"] for e in engines} == {"VRAM"}
         assert cluster.decode.call("verify_all") == []
 

@@ -51,9 +51,9 @@ def cluster():
         out = c.decode.call("decode", 99, 20, bad, [[0, 1]], 0, 5.0, msgspec.msgpack.encode(SHAPE))
         assert out["status"] == "failed"
         from kvxferd import protocol as P
-        from kvxferd.rpc import Client, DaemonError
+        from kvxferd.client import Client, DaemonError
         with Client(c.daemons[0].socket) as rpc, pytest.raises(DaemonError, match="unknown_engine"):
-            rpc.call(P.Hold("no-such-engine", 0, "r", 1.0))
+            rpc.call(P.Hold("no-such-engine", 0, "r", 1.0), P.Ok)
         blocks = c.prefill.call("prefill", 98, 20, 0.2)
         assert c.prefill.call("wait_released", 98, 10) == ["expired", "expired"]
         c.prefill.call("free", blocks)
@@ -61,7 +61,7 @@ def cluster():
 
 
 def metrics_url(c: Cluster, which: int) -> str:
-    return f"http://{c.status(which)['metrics']}"
+    return f"http://{c.status(which).metrics}"
 
 
 def test_metrics_pass_promtool_and_cover_peers(cluster):
@@ -104,7 +104,7 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 
 
 def test_prometheus_scrapes_daemons_and_every_panel_returns_data(cluster, tmp_path):
-    targets = [cluster.status(i)["metrics"] for i in (0, 1)]
+    targets = [cluster.status(i).metrics for i in (0, 1)]
     port = _free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -258,7 +258,7 @@ def test_status_cli_tables_json_and_no_daemon(cluster, tmp_path):
     assert "missing-engine" in text.stdout  # the recent failure, with its reason
     js = subprocess.run([tool("kvxferd"), "status", "--socket", sock, "--json"], capture_output=True, text=True)
     st = json.loads(js.stdout)
-    assert len(st["engines"]) == 4 and st["peers"][0]["engine"] == "prefill" and st["counters"]["received"] >= 6
+    assert len(st.engines) == 4 and st.peers[0].engine == "prefill" and st.counters.received >= 6
     none = subprocess.run([tool("kvxferd"), "status", "--socket", str(tmp_path / "none.sock")],
                           capture_output=True, text=True)
     assert none.returncode == 2 and "no kvxferd daemon at" in none.stderr and "kvxferd serve" in none.stderr

@@ -111,7 +111,7 @@ def test_soak():
         assert c.prefill.call("pending") == [0, 0], "a hold completed twice"
         assert c.decode.call("pending") == [0, 0, 0, 0], "a read completed twice"
         p, d = c.status(0), c.status(1)
-        assert p["held"] == [] and d["in_flight"] == [] and d["quarantined"] == 0
+        assert p.held == [] and d.in_flight == [] and d.quarantined == 0
         rss["decode_end"] = rss_mb(c.daemons[1].proc.pid)
         growth = rss["decode_end"] - rss["decode"]
         print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s, outcomes {dict(outcomes)}, decode daemon RSS "

@@ -31,4 +31,4 @@ def test_bf16_decode_equals_single_instance(pair):
         prompt = prompts(1, n, seed=n)[0]
         _, out = handoff(p, d, prompt)
         assert text(out) == text(ref.complete(prompt, 16)), f"{n} tokens"
-    assert daemon_status(dd)["counters"].get("received", 0) == 3
+    assert daemon_status(dd).counters.received == 3

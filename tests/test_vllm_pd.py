@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 from vllm_world import daemon_status, model, start, text, wait_until
 
+from kvxferd.protocol import Counters
 from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import ProxyProcess, VllmServer, free_port, handoff, prompts
 
@@ -57,8 +58,8 @@ class World:
         return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                    if line.startswith("kvxferd_transfer_bytes_total"))
 
-    def counters(self, daemon: DaemonProcess) -> dict:
-        return daemon_status(daemon)["counters"]
+    def counters(self, daemon: DaemonProcess) -> Counters:
+        return daemon_status(daemon).counters
 
     def restart_prefill_daemon(self) -> None:
         self.p_daemon = DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port,
@@ -116,36 +117,36 @@ def test_partial_prefix_hit_reads_only_the_missing_tail(world):
 def test_full_hit_reads_nothing_and_releases_the_prefill_blocks(world):
     prompt = prompts(1, 3 * BLOCK + 1, seed=21)[0]  # decode recomputes the last token itself
     assert text(world.proxy.complete(prompt, 8)) == world.single(prompt, 8)
-    before, sent = world.bytes_read(), world.counters(world.p_daemon).get("sent", 0)
+    before, sent = world.bytes_read(), world.counters(world.p_daemon).sent
     assert text(world.proxy.complete(prompt, 16)) == world.single(prompt)
     assert world.bytes_read() == before
     wait_until("prefill hold released by the decode's notification",
-               lambda: world.counters(world.p_daemon).get("sent", 0) > sent, 10)
+               lambda: world.counters(world.p_daemon).sent > sent, 10)
 
 
 def test_lease_passes_and_frees_the_prefill_blocks(world):
-    expired = world.counters(world.p_daemon).get("expired", 0)
+    expired = world.counters(world.p_daemon).expired
     resp = world.p.complete(prompts(1, 64, seed=31)[0], 1, kv_transfer_params={"do_remote_decode": True})
     assert len(resp["kv_transfer_params"]["remote_block_ids"][0]) == 2  # 64 tokens: two blocks held
-    assert daemon_status(world.p_daemon)["held"], "the prefill daemon holds the request's blocks"
-    wait_until("lease expiry", lambda: world.counters(world.p_daemon).get("expired", 0) > expired, LEASE_S + 10)
+    assert daemon_status(world.p_daemon).held, "the prefill daemon holds the request's blocks"
+    wait_until("lease expiry", lambda: world.counters(world.p_daemon).expired > expired, LEASE_S + 10)
     wait_until("prefill KV blocks freed", lambda: world.p.metric("vllm:kv_cache_usage_perc") == 0, 10)
 
 
 def test_prefill_daemon_killed_mid_run_recomputes_then_recovers(world):
     cases = prompts(6, 700, seed=41)
-    received = world.counters(world.d_daemon).get("received", 0)
+    received = world.counters(world.d_daemon).received
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = [pool.submit(world.proxy.complete, p, 16) for p in cases]
-        wait_until("reads under way", lambda: world.counters(world.d_daemon).get("received", 0) > received
-                   or daemon_status(world.d_daemon)["in_flight"], 60, 0.02)
+        wait_until("reads under way", lambda: world.counters(world.d_daemon).received > received
+                   or daemon_status(world.d_daemon).in_flight, 60, 0.02)
         world.p_daemon.kill()
         results = [f.result(timeout=240) for f in futures]  # no hang: every request ends
     assert [text(r) for r in results] == [world.single(p) for p in cases]  # recompute gives the right tokens
-    assert world.counters(world.d_daemon).get("failed", 0) > 0, "some reads failed and were recomputed"
+    assert world.counters(world.d_daemon).failed > 0, "some reads failed and were recomputed"
     world.restart_prefill_daemon()
     wait_until("prefill engine registered again",
-               lambda: daemon_status(world.p_daemon)["engines"], 30)
+               lambda: daemon_status(world.p_daemon).engines, 30)
     before = world.bytes_read()
     prompt = prompts(1, 90, seed=42)[0]
     assert text(world.proxy.complete(prompt, 16)) == world.single(prompt)
@@ -153,9 +154,9 @@ def test_prefill_daemon_killed_mid_run_recomputes_then_recovers(world):
 
 
 def test_no_blocks_left_held_on_either_instance(world):
-    wait_until("prefill daemon holds nothing", lambda: not daemon_status(world.p_daemon)["held"], LEASE_S + 15)
+    wait_until("prefill daemon holds nothing", lambda: not daemon_status(world.p_daemon).held, LEASE_S + 15)
     status = daemon_status(world.d_daemon)
-    assert not status["in_flight"] and status["quarantined"] == 0
+    assert not status.in_flight and status.quarantined == 0
     for server in (world.p, world.d):
         wait_until(f"{server.name} KV blocks all free", lambda s=server: s.metric("vllm:kv_cache_usage_perc") == 0, 15)
 
@@ -214,9 +215,9 @@ class TestOneToTwo:
             assert text(out) != world.single(prompt)
 
     def test_strict_decode_refuses_other_weights_and_recomputes(self, world, relaxed):
-        failed = world.counters(world.d_daemon).get("failed", 0)
+        failed = world.counters(world.d_daemon).failed
         prompt = prompts(1, 96, seed=300)[0]
         _, out = handoff(relaxed[1], world.d, prompt)
         assert text(out) == world.single(prompt)  # refused at planning, recomputed locally
-        assert world.counters(world.d_daemon).get("failed", 0) == failed + 1
-        assert "model weights differ" in daemon_status(world.d_daemon)["failures"][-1]["reason"]
+        assert world.counters(world.d_daemon).failed == failed + 1
+        assert "model weights differ" in daemon_status(world.d_daemon).failures[-1].reason

@@ -47,7 +47,7 @@ def collect(w: WorkerSide, what: str, timeout: float):
 def test_a_hold_whose_lease_passes_is_freed(daemon):
     w = make_worker(daemon)
     w.start(Orders([HoldOrder("r1", [[1, 2]], 0.3)], []))
-    assert [h["request"] for h in daemon_status(daemon)["held"]] == ["r1"]
+    assert [h.request for h in daemon_status(daemon).held] == ["r1"]
     assert "r1" in collect(w, "r1", 5).sending
     w.close()
 
@@ -56,7 +56,7 @@ def test_a_refused_hold_is_freed_by_the_worker_after_its_lease(daemon, monkeypat
     monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.2)
     w = make_worker(daemon)
     w.start(Orders([HoldOrder("r1", [[1]], 10_000.0)], []))  # over the daemon's max lease: refused
-    assert not daemon_status(daemon)["held"]
+    assert not daemon_status(daemon).held
     w.holds["r1"] = (w.holds["r1"][0], 0.0)  # its lease has passed
     assert "r1" in collect(w, "r1", 5).sending
     w.close()
@@ -81,9 +81,9 @@ def test_daemon_restart_while_idle_reregisters_and_reholds(tmp_path):
     assert seen.failed == {"d-req"} and seen.load_errors == {3}
     d2 = DaemonProcess(tmp_path, "daemon", socket=d.socket)
     try:
-        status = wait_until("registered again", lambda: daemon_status(d2)["engines"] and daemon_status(d2), 10)
-        assert [h["request"] for h in status["held"]] == ["r1"]
-        assert status["engines"][0]["engine"] == "engine-a"
+        status = wait_until("registered again", lambda: daemon_status(d2).engines and daemon_status(d2), 10)
+        assert [h.request for h in status.held] == ["r1"]
+        assert status.engines[0].engine == "engine-a"
     finally:
         w.close()
         d2.stop()

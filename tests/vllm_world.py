@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvxferd import protocol as P
-from kvxferd.rpc import Client
+from kvxferd.client import Client
 from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm.launcher import VllmServer, make_model
 
@@ -30,9 +30,9 @@ def start(*servers: VllmServer) -> None:
         raise
 
 
-def daemon_status(d: DaemonProcess) -> dict:
+def daemon_status(d: DaemonProcess) -> P.Status:
     with contextlib.closing(Client(d.socket, 10)) as c:
-        return c.call(P.StatusQuery()).status
+        return c.status()
 
 
 def wait_until(what: str, check, timeout: float, interval: float = 0.5):

@@ -79,13 +79,13 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000) -> list[dict
             host, port = p.side_channel.rsplit(":", 1)
             n = requests if concurrency > 1 else max(200, requests // 4)
             elapsed, lat = asyncio.run(_drive(dd.socket, geo, host, int(port), concurrency, n))
-            daemon = d.client.status()["latency_us"]
+            daemon = d.client.status().latency_us
             rows.append({"concurrency": concurrency, "requests": n, "req_per_s": n / elapsed,
                          "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
-                         "rpc_to_post_p50_us": daemon["rpc_to_post"]["p50"],
-                         "rpc_to_post_p99_us": daemon["rpc_to_post"]["p99"],
-                         "rpc_to_completion_p50_us": daemon["rpc_to_completion"]["p50"],
-                         "rpc_to_completion_p99_us": daemon["rpc_to_completion"]["p99"]})
+                         "rpc_to_post_p50_us": _us(daemon.rpc_to_post.p50),
+                         "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),
+                         "rpc_to_completion_p50_us": _us(daemon.rpc_to_completion.p50),
+                         "rpc_to_completion_p99_us": _us(daemon.rpc_to_completion.p99)})
             d.close()
             p.close()
     return rows
@@ -100,3 +100,8 @@ def render(rows: list[dict[str, float]]) -> str:
                      f"{r['rpc_to_post_p50_us']:>11.0f}/{r['rpc_to_post_p99_us']:<10.0f} "
                      f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f}")
     return "\n".join(lines)
+
+
+def _us(value: float | None) -> float:
+    """A daemon percentile; NaN when the daemon had no samples."""
+    return float("nan") if value is None else value

@@ -29,9 +29,9 @@ def run(peers: int = 5, blocks: int = 16) -> list[dict[str, float]]:
                     c = d.wait(rid)
                     times.append(time.perf_counter() - t0)
                     assert c.status == "received", c
-                peer = d.client.status()["peers"][0]
+                peer = d.client.status().peers[0]
                 rows.append({"peer": i, "first_ms": times[0] * 1e3, "second_ms": times[1] * 1e3,
-                             "handshake_ms": peer["handshake_s"] * 1e3})
+                             "handshake_ms": peer.handshake_s * 1e3})
                 d.close()
         p.close()
     return rows

@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import msgspec
 import numpy as np
 
+from .. import protocol as P
 from ..client import RemoteRef
 from ..plan.models import ModelShape
 
@@ -114,7 +115,7 @@ class DaemonProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        from ..rpc import Client, DaemonError
+        from ..client import Client, DaemonError
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -207,12 +208,11 @@ class Cluster:
             self.prefill.call("free", blocks)
         return out
 
-    def status(self, which: int) -> dict[str, Any]:
-        from .. import protocol as P
-        from ..rpc import Client
+    def status(self, which: int) -> P.Status:
+        from ..client import Client
 
         with Client(self.daemons[which].socket) as c:
-            return cast(P.StatusReply, c.call(P.StatusQuery())).status
+            return c.status()
 
     def close(self) -> None:
         for e in self.engines:

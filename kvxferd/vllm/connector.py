@@ -83,7 +83,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             address = self.options.side_channel
             if not address:
                 with EngineClient(self.options.socket, self.engine_id, -1, self.tp_size, timeout=5.0) as client:
-                    address = client.status()["side_channel"]
+                    address = client.status().side_channel
             host, _, port = address.rpartition(":")
             self._side = (host, int(port))
         return self._side

@@ -24,9 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..client import EngineClient, MemoryHandle
+from ..client import DaemonError, EngineClient, MemoryHandle
 from ..plan.geometry import Geometry
-from ..rpc import DaemonError
 from .handoff import HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
 

@@ -1,0 +1,202 @@
+"""Engine ranks: registration (map the memory, register it with NIXL), lookup, and release.
+
+    register -> serving -> unregister / disconnect -> closing -> (idle, lease over) -> released
+
+A closing rank answers no request, but its memory stays mapped and registered while a read
+may still write it (in flight or quarantined) or a peer may still read it (a hold's lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import handshake as hs
+from . import protocol as P
+from .memory import Mapping, MappingError, MemType, map_cuda, map_cuda_vmm, map_shm
+from .nixl_driver import NixlDriver, Registration
+from .plan.descriptors import region_addresses
+from .plan.geometry import Geometry, GeometryError, validate
+from .protocol import RequestError
+from .recorder import Recorder
+from .rpc import ServerConnection
+
+log = logging.getLogger("kvxferd")
+
+EngineKey = tuple[str, int]  # (engine id, tp rank)
+
+
+@dataclass(eq=False)
+class EngineRank:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    geometry: Geometry
+    mappings: list[Mapping]
+    registrations: list[Registration]
+    region_addr: np.ndarray  # absolute address of each geometry region in this process
+    compat_hash: str
+    conn: ServerConnection | None
+    completions: deque[P.Completion] = field(default_factory=deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: bool = False
+    release_after: float = 0.0  # prefill memory: the latest lease a reader may still be using
+
+    @property
+    def key(self) -> EngineKey:
+        return self.engine_id, self.tp_rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mappings)
+
+    @property
+    def mem_type(self) -> MemType:
+        return self.mappings[0].kind if self.mappings else "DRAM"
+
+    @property
+    def device(self) -> int:
+        return self.mappings[0].device if self.mappings else 0
+
+    def complete(self, c: P.Completion) -> None:
+        """Queue a completion for the engine's next poll (dropped once the rank is closing)."""
+        if not self.closing:
+            self.completions.append(c)
+            self.wakeup.set()
+
+    def take_completions(self, max_items: int) -> P.Completions:
+        items: list[P.Completion] = []
+        while self.completions and len(items) < max_items:
+            items.append(self.completions.popleft())
+        return P.Completions(items)
+
+    def rank_info(self) -> hs.RankInfo:
+        """What a peer's handshake learns about this rank."""
+        return hs.RankInfo(self.tp_rank, self.tp_size, self.compat_hash, self.geometry,
+                           [m.address for m in self.mappings], self.mem_type, self.device)
+
+
+class Engines:
+    """Owns every registered rank: its mappings and NIXL registrations from register to release."""
+
+    def __init__(self, nixl: NixlDriver, recorder: Recorder) -> None:
+        self._nixl = nixl
+        self._recorder = recorder
+        self._ranks: dict[EngineKey, EngineRank] = {}
+
+    def get(self, engine_id: str, rank: int) -> EngineRank:
+        """A serving rank, or the `unknown_engine` error the engine should see."""
+        er = self._ranks.get((engine_id, rank))
+        if er is None or er.closing:
+            raise RequestError("unknown_engine", f"engine {engine_id!r} rank {rank} is not registered")
+        return er
+
+    def serving(self, engine_id: str) -> list[EngineRank]:
+        """The serving ranks of one engine, by rank."""
+        return sorted((e for e in self._ranks.values() if e.engine_id == engine_id and not e.closing),
+                      key=lambda e: e.tp_rank)
+
+    def all(self) -> list[EngineRank]:
+        return list(self._ranks.values())
+
+    def knows(self, key: EngineKey) -> bool:
+        return key in self._ranks
+
+    # --- register -------------------------------------------------------------
+    def register(self, conn: ServerConnection, msg: P.Register) -> EngineRank:
+        """Map and register the rank's memory; every fd the request carried is consumed."""
+        fds = deque(conn.reader.take_fds(sum(1 for m in msg.memory if m.has_fd)))
+        mappings: list[Mapping] = []
+        try:
+            geo = self._check(msg)
+            for m in msg.memory:  # each mapper owns (and closes) the fd it is given
+                if m.kind == "shm":
+                    mappings.append(map_shm(fds.popleft(), m.nbytes))
+                elif m.kind == "cuda_vmm":
+                    mappings.append(map_cuda_vmm(fds.popleft(), m.nbytes, m.device))
+                else:
+                    mappings.append(map_cuda(m.cuda_handle, m.nbytes))
+        except MappingError as exc:
+            for mp in mappings:
+                mp.close()
+            raise RequestError("bad_request", str(exc)) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        regs: list[Registration] = []
+        try:
+            for mp in mappings:
+                regs.append(self._nixl.register(mp.address, mp.nbytes, mp.kind, mp.device))
+        except Exception as exc:
+            for reg in regs:
+                self._nixl.deregister(reg)
+            for mp in mappings:
+                mp.close()
+            raise RequestError("unsupported", f"NIXL cannot register this engine's {mappings[0].kind} memory "
+                                              f"({msg.memory[0].kind}): {exc}") from None
+        er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
+                        region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn)
+        self._ranks[er.key] = er
+        self._changed()
+        log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
+                 geo.model, er.nbytes)
+        return er
+
+    def _check(self, msg: P.Register) -> Geometry:
+        if (msg.engine_id, msg.tp_rank) in self._ranks:
+            raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
+        try:
+            geo = validate(msg.geometry)
+        except GeometryError as exc:
+            raise RequestError("bad_request", f"invalid geometry: {exc}") from None
+        if (geo.tp_rank, geo.tp_size) != (msg.tp_rank, msg.tp_size):
+            raise RequestError("bad_request", f"geometry is for rank {geo.tp_rank}/{geo.tp_size}, "
+                                              f"registration for {msg.tp_rank}/{msg.tp_size}")
+        if len(msg.memory) != len(geo.buffers):
+            raise RequestError("bad_request", f"{len(msg.memory)} memory handles for {len(geo.buffers)} buffers")
+        for i, (m, size) in enumerate(zip(msg.memory, geo.buffers)):
+            if m.nbytes < size:
+                raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
+        return geo
+
+    # --- close and release ----------------------------------------------------
+    def close(self, er: EngineRank, why: str) -> bool:
+        """Stop serving a rank (its memory stays until `release`); False if it was closing already."""
+        if er.closing:
+            return False
+        er.closing = True
+        self._changed()
+        log.info("engine %s rank %d: %s; memory released when idle", er.engine_id, er.tp_rank, why)
+        return True
+
+    def idle(self, in_use: Callable[[EngineRank], bool], now: float) -> list[EngineRank]:
+        """Closing ranks nothing touches any more: no read uses them and every lease has ended."""
+        return [er for er in self._ranks.values()
+                if er.closing and now >= er.release_after and not in_use(er)]
+
+    def release(self, er: EngineRank) -> None:
+        """Deregister and unmap a closed rank's memory (the caller made sure nothing uses it)."""
+        if self._ranks.get(er.key) is er:
+            del self._ranks[er.key]
+        for reg in er.registrations:
+            self._nixl.deregister(reg)
+        for mp in er.mappings:
+            mp.close()
+        er.registrations, er.mappings = [], []
+        self._changed()
+
+    def _changed(self) -> None:
+        live = [e for e in self._ranks.values() if not e.closing]
+        self._recorder.engines_changed(len(live), len({e.engine_id for e in live}),
+                                       sum(e.nbytes for e in self._ranks.values()))
+
+    def status(self, pinned: Callable[[EngineRank], int]) -> list[P.EngineStatus]:
+        return [P.EngineStatus(e.engine_id, e.tp_rank, e.tp_size, e.geometry.model, e.nbytes,
+                               e.mappings[0].kind if e.mappings else "-", "closing" if e.closing else "serving",
+                               pinned(e), len(e.completions)) for e in self._ranks.values()]

@@ -1,0 +1,156 @@
+"""Prefill side: held requests, consumer notifications, leases, and handshake answers.
+
+    hold(R, lease) -> held;   notification from each consumer: count += 1
+    count == expected -> "sent";   lease passes -> "expired";   engine leaves -> dropped
+
+A consumer may finish before the engine's hold arrives; its notification waits (at most the
+longest lease) for the hold it belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from . import handshake as hs
+from . import protocol as P
+from .engines import EngineKey, EngineRank, Engines
+from .nixl_driver import NixlDriver
+from .protocol import RequestError
+from .recorder import Recorder
+
+log = logging.getLogger("kvxferd")
+
+HoldKey = tuple[str, int, str]  # (engine id, tp rank, request id)
+
+
+@dataclass(eq=False)
+class Held:
+    engine: EngineRank
+    request_id: str
+    deadline: float
+    since: float
+    block_ids: list[list[int]]
+    count: int = 0  # consumers that notified
+    expected: int = 0  # consumers the first notification announced; 0 until then
+
+    @property
+    def key(self) -> HoldKey:
+        return self.engine.engine_id, self.engine.tp_rank, self.request_id
+
+    @property
+    def consumed(self) -> bool:
+        return bool(self.expected) and self.count >= self.expected
+
+
+@dataclass
+class Early:
+    """Notifications for a request whose hold has not arrived yet."""
+
+    count: int
+    expected: int
+    first: float
+
+
+class Holds:
+    def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float) -> None:
+        self._engines = engines
+        self._nixl = nixl
+        self._recorder = recorder
+        self._max_lease_s = max_lease_s
+        self._held: dict[HoldKey, Held] = {}
+        self._early: dict[HoldKey, Early] = {}
+
+    def hold(self, er: EngineRank, msg: P.Hold) -> None:
+        """Hold a request's blocks for its consumers, or renew the lease of one held already."""
+        if msg.lease_s > self._max_lease_s:
+            raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self._max_lease_s}]")
+        now = time.monotonic()
+        key = (er.engine_id, er.tp_rank, msg.request_id)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids)
+            early = self._early.pop(key, None)
+            if early is not None:
+                held.count, held.expected = early.count, early.expected
+            self._end_if_consumed(held)
+        else:
+            held.deadline = now + msg.lease_s
+        self._recorder.holds_now(len(self._held))
+
+    def on_notification(self, data: bytes) -> None:
+        n = hs.decode_notification(data)
+        if n is None:
+            self._recorder.notification_received("malformed")
+            return
+        key = (n.engine_id, n.tp_rank, n.request_id)
+        held = self._held.get(key)
+        if held is None:
+            if not self._engines.knows((n.engine_id, n.tp_rank)):
+                self._recorder.notification_received("unknown")
+                log.warning("notification for unknown engine %s rank %d request %s dropped",
+                            n.engine_id, n.tp_rank, n.request_id)
+                return
+            early = self._early.setdefault(key, Early(0, n.expected, time.monotonic()))
+            early.count, early.expected = early.count + 1, n.expected
+            self._recorder.notification_received("early")
+            return
+        self._recorder.notification_received("consumer")
+        held.count += 1
+        held.expected = n.expected
+        self._end_if_consumed(held)
+        self._recorder.holds_now(len(self._held))
+
+    def _end_if_consumed(self, held: Held) -> None:
+        if held.consumed:
+            del self._held[held.key]
+            self._recorder.hold_ended("sent")
+            held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids,
+                                              seconds=time.monotonic() - held.since))
+
+    def expire(self, now: float) -> None:
+        """End holds whose lease passed; forget early notifications older than any lease."""
+        for held in [h for h in self._held.values() if now >= h.deadline]:
+            del self._held[held.key]
+            self._recorder.hold_ended("expired")
+            log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d", held.engine.engine_id,
+                        held.engine.tp_rank, held.request_id, held.count, held.expected)
+            held.engine.complete(P.Completion(
+                held.request_id, "expired", held.block_ids,
+                reason=f"lease passed with {held.count} of {held.expected or '?'} consumers",
+                seconds=now - held.since))
+        for key, early in list(self._early.items()):
+            if now - early.first > self._max_lease_s:
+                del self._early[key]
+                self._recorder.early_notifications_dropped(early.count)
+        self._recorder.holds_now(len(self._held), max((now - h.since for h in self._held.values()), default=0))
+
+    def drop_engine(self, er: EngineKey) -> float:
+        """Forget a leaving engine's holds; returns when the last lease ends (readers may still pull)."""
+        until = 0.0
+        for held in [h for h in self._held.values() if h.engine.key == er]:
+            until = max(until, held.deadline)
+            del self._held[held.key]
+            self._recorder.hold_ended("dropped")
+        self._recorder.holds_now(len(self._held))
+        return until
+
+    def answer_handshake(self, req: hs.HandshakeRequest) -> hs.HandshakeReply:
+        """A peer daemon asks what memory an engine has: its ranks and this daemon's NIXL agent."""
+        if req.version != hs.HANDSHAKE_VERSION:
+            self._recorder.handshake_answered("version")
+            return hs.HandshakeReply(False, f"handshake version {req.version} unsupported "
+                                            f"(this daemon speaks {hs.HANDSHAKE_VERSION})")
+        ranks = self._engines.serving(req.engine_id)
+        if not ranks:
+            self._recorder.handshake_answered("unknown_engine")
+            return hs.HandshakeReply(False, f"engine {req.engine_id!r} is not registered with this daemon")
+        self._recorder.handshake_answered("ok")
+        return hs.HandshakeReply(True, agent=self._nixl.name, metadata=self._nixl.metadata(),
+                                 ranks=[e.rank_info() for e in ranks])
+
+    def status(self, now: float) -> list[P.HoldStatus]:
+        return [P.HoldStatus(h.engine.engine_id, h.engine.tp_rank, h.request_id,
+                             f"{h.count}/{h.expected or '?'}", now - h.since, h.deadline - now)
+                for h in self._held.values()]

@@ -1,0 +1,243 @@
+"""Decode side's view of peer daemons: handshakes, plans, prepared descriptor lists, retirement.
+
+    route(ref, local rank) -> handshake (once per peer, shared by every waiting read)
+                           -> plan (per local rank) -> prepared lists (per remote rank) = Route
+
+A Route is everything a read needs to post: the reads component looks it up in `routes`
+(owned here, read there) and posts without a call into this module. A peer whose READs cannot
+be posted is retired: its routes leave `routes` at once, so the next read handshakes again (a
+new agent, never stale metadata); its lists are released once no read uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from . import handshake as hs
+from . import protocol as P
+from .engines import EngineKey, EngineRank
+from .nixl_driver import NixlDriver, PreparedList
+from .plan.descriptors import local_descs, region_addresses, remote_descs
+from .plan.geometry import validate
+from .plan.planner import PlanError, RankPlan, plan_rank, targets
+from .recorder import Recorder
+
+log = logging.getLogger("kvxferd")
+
+PeerKey = tuple[str, str, int]  # (remote engine id, side-channel host, port)
+RouteKey = tuple[PeerKey, EngineKey]
+
+
+def peer_key(ref: P.RemoteRef) -> PeerKey:
+    return ref.engine_id, ref.host, ref.port
+
+
+@dataclass(eq=False)
+class Peer:
+    """One remote engine behind one peer daemon, as its handshake described it."""
+
+    engine_id: str
+    host: str
+    port: int
+    ready: asyncio.Future[None]
+    agent: str = ""
+    ranks: dict[int, hs.RankInfo] = field(default_factory=dict)
+    since: float = 0.0  # wall time of the handshake
+    handshake_s: float = 0.0
+    retired: bool = False
+
+    @property
+    def key(self) -> PeerKey:
+        return self.engine_id, self.host, self.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def tp_size(self) -> int:
+        return next(iter(self.ranks.values())).tp_size
+
+
+@dataclass(frozen=True)
+class Link:
+    """Prepared descriptor lists for one local rank reading one remote rank."""
+
+    local: PreparedList
+    remote: PreparedList
+
+
+@dataclass(eq=False)
+class Route:
+    """A local rank's way to a peer: the plan and, per remote rank read from, its prepared lists."""
+
+    peer: Peer
+    engine: EngineKey
+    plan: RankPlan
+    links: dict[int, Link]
+
+
+class Peers:
+    def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
+                 curve: hs.CurveKeys | None) -> None:
+        self._ctx = ctx
+        self._nixl = nixl
+        self._recorder = recorder
+        self._timeout_s = timeout_s
+        self._curve = curve
+        self._peers: dict[PeerKey, Peer] = {}
+        self.routes: dict[RouteKey, Route] = {}  # ready routes of live peers (the reads' fast path)
+        self._retired: dict[Route, Peer] = {}  # routes of retired peers, until no read uses them
+        self._retired_peers: list[Peer] = []
+
+    async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: float) -> Route:
+        """The route from `er` to the remote engine `ref` names: handshake and plan when new."""
+        route = self.routes.get((peer_key(ref), er.key))
+        if route is not None and route.peer.tp_size == ref.tp_size:
+            return route
+        peer = await self._peer(ref, deadline)
+        if peer.tp_size != ref.tp_size:
+            raise PlanError(f"remote engine {ref.engine_id} runs TP {peer.tp_size}, the request says {ref.tp_size}")
+        route = self.routes.get((peer.key, er.key))
+        if route is None:
+            route = self.routes[(peer.key, er.key)] = self._build(peer, er)
+        return route
+
+    async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
+        """The peer's handshake, done once and shared by every read waiting on it."""
+        peer = self._peers.get(peer_key(ref))
+        if peer is None:
+            peer = self._peers[peer_key(ref)] = Peer(ref.engine_id, ref.host, ref.port,
+                                                     asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().create_task(self._handshake(peer))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError()
+        await asyncio.wait_for(asyncio.shield(peer.ready), remaining)
+        return peer
+
+    async def _handshake(self, peer: Peer) -> None:
+        t0 = time.perf_counter()
+        try:
+            reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
+                                     self._nixl.name, self._curve)
+            ranks = {r.tp_rank: r for r in reply.ranks}
+            for r in ranks.values():
+                validate(r.geometry)
+            peer.agent = self._nixl.add_peer(reply.metadata)
+            peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
+            self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
+            self._recorder.peers_now(len(self._peers))
+            peer.ready.set_result(None)
+        except Exception as exc:
+            err = exc if isinstance(exc, hs.HandshakeError) else hs.HandshakeError("invalid", str(exc))
+            self._recorder.handshake_ran(peer.engine_id, time.perf_counter() - t0, err.reason)
+            log.warning("handshake failed: peer=%s address=%s reason=%s: %s", peer.engine_id, peer.address,
+                        err.reason, err)
+            if self._peers.get(peer.key) is peer:
+                del self._peers[peer.key]
+            peer.ready.set_exception(err)
+            peer.ready.exception()  # mark retrieved: waiters each get it through their shield
+
+    def _build(self, peer: Peer, er: EngineRank) -> Route:
+        """Plan `er` reading `peer` and prepare the descriptor lists of every remote rank it reads."""
+        wanted = targets(er.tp_rank, er.tp_size, peer.tp_size)
+        missing = [r for r in wanted if r not in peer.ranks]
+        if missing:
+            raise PlanError(f"remote engine {peer.engine_id} has no registered ranks {missing}")
+        for r in wanted:
+            if peer.ranks[r].compat_hash != er.compat_hash:
+                raise PlanError(hs.explain_mismatch(er.geometry, peer.ranks[r].geometry))
+            if why := hs.weights_mismatch(er.geometry, peer.ranks[r].geometry):
+                raise PlanError(why)
+        t0 = time.perf_counter()
+        plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})
+        log.info("planned engine %s rank %d <- %s ranks %s in %.1f ms", er.engine_id, er.tp_rank,
+                 peer.engine_id, list(plan.peers), (time.perf_counter() - t0) * 1e3)
+        links: dict[int, Link] = {}
+        try:
+            for rank, pp in plan.peers.items():
+                info = peer.ranks[rank]
+                t0 = time.perf_counter()
+                local = self._nixl.prep_local(local_descs(pp, er.region_addr, er.device), er.mem_type)
+                try:
+                    remote = self._nixl.prep_remote(
+                        peer.agent, remote_descs(pp, region_addresses(info.geometry, info.buffer_addrs), info.device),
+                        info.mem_type)
+                except Exception:
+                    self._nixl.release_dlist(local)
+                    raise
+                links[rank] = Link(local, remote)
+                log.info("prepared %d local / %d remote descriptors for engine %s rank %d <- %s rank %d in %.1f ms",
+                         pp.num_local_descs, pp.num_remote_descs, er.engine_id, er.tp_rank, peer.engine_id, rank,
+                         (time.perf_counter() - t0) * 1e3)
+        except Exception:
+            self._release(links.values())
+            raise
+        return Route(peer, er.key, plan, links)
+
+    # --- retirement and release -----------------------------------------------
+    def retire(self, peer: Peer, why: str) -> None:
+        """Forget a peer: the next read handshakes again. Its lists wait for `collect`."""
+        if peer.retired:
+            return
+        peer.retired = True
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
+        for key in [k for k, r in self.routes.items() if r.peer is peer]:
+            self._retired[self.routes.pop(key)] = peer
+        self._retired_peers.append(peer)
+        self._recorder.peers_now(len(self._peers))
+        log.warning("peer %s at %s retired: %s", peer.engine_id, peer.address, why)
+
+    def collect(self, in_use: Callable[[Route], bool]) -> None:
+        """Release the lists of retired routes no read uses; remove agents of peers fully released."""
+        for route in [r for r in self._retired if not in_use(r)]:
+            del self._retired[route]
+            self._release(route.links.values())
+        for peer in [p for p in self._retired_peers if p not in self._retired.values()]:
+            self._retired_peers.remove(peer)
+            self._remove_agent(peer)
+
+    def forget_engine(self, er: EngineKey) -> None:
+        """A local rank is being released: drop its routes (no read uses them any more)."""
+        for key in [k for k, r in self.routes.items() if r.engine == er]:
+            self._release(self.routes.pop(key).links.values())
+        for route in [r for r in self._retired if r.engine == er]:
+            del self._retired[route]
+            self._release(route.links.values())
+
+    def close(self) -> None:
+        """Shutdown: release every list and remove every agent."""
+        for route in [*self.routes.values(), *self._retired]:
+            self._release(route.links.values())
+        for peer in [*self._peers.values(), *self._retired_peers]:
+            self._remove_agent(peer)
+        self.routes.clear()
+        self._retired.clear()
+        self._peers.clear()
+        self._retired_peers.clear()
+
+    def _release(self, links: Iterable[Link]) -> None:
+        for link in list(links):
+            self._nixl.release_dlist(link.local)
+            self._nixl.release_dlist(link.remote)
+
+    def _remove_agent(self, peer: Peer) -> None:
+        if peer.agent:
+            try:
+                self._nixl.remove_peer(peer.agent)
+            except Exception as exc:
+                log.warning("removing agent %s: %s", peer.agent, exc)
+
+    def status(self, active: Callable[[Peer], int]) -> list[P.PeerStatus]:
+        wall = time.time()
+        return [P.PeerStatus(p.engine_id, p.address, p.agent, wall - p.since if p.since else None, p.handshake_s,
+                             sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks), active(p))
+                for p in self._peers.values()]

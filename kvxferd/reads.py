@@ -1,0 +1,331 @@
+"""Decode side: reads from peer daemons, from the request to the completion the engine polls.
+
+    start(R) -> route (cached; else handshake + plan, shared) -> Transfer.post: a READ per remote
+             rank read from, a notification alone to the others -> polled until every READ is
+             DONE -> "received";  an error or the deadline -> "failed" + the local block ids
+
+Every NIXL call happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
+deadline is reported failed and its handles are quarantined, polled until they end, and the
+engine memory they touch stays mapped and registered until then. A transfer uses its engine
+rank and its route for as long as it is in flight or quarantined; nothing counts that by hand,
+`uses_engine` and `uses_route` ask the two collections that own the transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from . import handshake as hs
+from . import protocol as P
+from .engines import EngineRank
+from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
+from .peers import Peer, Peers, Route, peer_key
+from .plan.descriptors import RequestBlocks, request_indices
+from .plan.geometry import GeometryError
+from .plan.planner import PeerPlan, PlanError
+from .protocol import RequestError
+from .recorder import FailureKind, Recorder
+
+log = logging.getLogger("kvxferd")
+
+ReadKey = tuple[str, int, str]  # (engine id, tp rank, request id)
+ATTEMPTS = 2  # a peer restarted behind a cached route: the first post fails, the second handshakes anew
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class StaleRoute(Exception):
+    """Nothing could be posted on a route: most likely its peer restarted (new agent, same address)."""
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One read request: what it asked for, what it posted, and how it ended."""
+
+    engine: EngineRank
+    msg: P.Read
+    received_at: float  # perf_counter when the engine's request arrived
+    started: float  # monotonic
+    deadline: float
+    route: Route | None = None
+    handles: list[XferHandle] = field(default_factory=list)
+    posted_at: float = 0.0  # monotonic
+    nbytes: int = 0
+    descriptors: int = 0
+    done: bool = False
+
+    @property
+    def key(self) -> ReadKey:
+        return self.engine.engine_id, self.engine.tp_rank, self.msg.request_id
+
+    @property
+    def peer_label(self) -> str:
+        return self.msg.remote.engine_id
+
+    def post(self, route: Route, nixl: NixlDriver) -> int:
+        """Post a READ per remote rank this request reads, notify the rest; returns notifications.
+
+        Raises StaleRoute when NIXL refused the first READ (nothing posted), TransferError when
+        it refused a later one (some READs are running).
+        """
+        self.route = route
+        plan = route.plan
+        reads = request_indices(plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
+                                                       self.msg.remote_blocks))
+        ref = self.msg.remote
+        expected = plan.consumers_per_remote_rank
+        try:
+            for rank, (lids, rids) in reads.items():
+                link = route.links[rank]
+                notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
+                self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
+                self.nbytes += _bytes_read(plan.peers[rank], lids)
+                self.descriptors += len(lids)
+            for rank in plan.targets:
+                if rank not in reads:
+                    nixl.notify(route.peer.agent, _encode(hs.Notification(ref.engine_id, rank, ref.request_id,
+                                                                          expected)))
+        except TransferError as exc:
+            if not self.handles:
+                raise StaleRoute(str(exc)) from exc
+            raise
+        self.posted_at = time.monotonic()
+        return len(plan.targets)
+
+    def poll(self, nixl: NixlDriver) -> bool:
+        """True once every READ is DONE; TransferError when NIXL reports one failed."""
+        return all(nixl.state(h) == DONE for h in self.handles)
+
+    def release_ended(self, nixl: NixlDriver) -> None:
+        """Release the handles NIXL reports ended (done or failed); keep the ones still running."""
+        running = []
+        for h in self.handles:
+            try:
+                ended = nixl.state(h) == DONE
+            except TransferError:
+                ended = True
+            if ended:
+                nixl.release(h)
+            else:
+                running.append(h)
+        self.handles = running
+
+    def transfer_seconds(self, nixl: NixlDriver, recorder: Recorder) -> float:
+        """NIXL's own time for the slowest READ (0 without telemetry), recorded per handle."""
+        slowest = 0.0
+        for h in self.handles:
+            tele = nixl.telemetry_of(h)
+            if tele:
+                recorder.nixl_timed(*tele)
+                slowest = max(slowest, tele[0] + tele[1])
+        return slowest
+
+
+def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
+    """Bytes a set of local descriptor ids covers (each descriptor has its template's length)."""
+    template = np.searchsorted(pp.local_base, lids, side="right") - 1
+    return int(pp.length[template].sum())
+
+
+class Reads:
+    def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float) -> None:
+        self._nixl = nixl
+        self._peers = peers
+        self._routes = peers.routes  # read only: the fast path's lookup
+        self._recorder = recorder
+        self._max_deadline_s = max_deadline_s
+        self._in_flight: dict[ReadKey, Transfer] = {}
+        self._quarantine: list[Transfer] = []
+        self.posted = asyncio.Event()  # wakes the progress loop from its idle wait
+        self._rate = 2e9  # bytes/s of recent large reads: when to expect a read to end
+
+    # --- start ----------------------------------------------------------------
+    def start(self, er: EngineRank, msg: P.Read, received_at: float) -> None:
+        """Accept a read; it ends as a completion. Posts at once when the route is known."""
+        if (er.engine_id, er.tp_rank, msg.request_id) in self._in_flight:
+            raise RequestError("bad_request", f"request {msg.request_id!r} is already being read")
+        if msg.deadline_s > self._max_deadline_s:
+            raise RequestError("bad_request", f"deadline_s {msg.deadline_s} outside (0, {self._max_deadline_s}]")
+        groups = len(er.geometry.groups)
+        if len(msg.local_blocks) != groups or len(msg.remote_blocks) != groups:
+            raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
+                                              f"groups; the geometry has {groups}")
+        now = time.monotonic()
+        t = Transfer(er, msg, received_at, now, now + msg.deadline_s)
+        self._in_flight[t.key] = t
+        self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+        route = self._routes.get((peer_key(msg.remote), er.key))
+        if route is not None and route.peer.tp_size == msg.remote.tp_size:
+            try:  # the common case: post right here, without a task or an await
+                self._post(t, route)
+                return
+            except StaleRoute as exc:
+                self._peers.retire(route.peer, f"posting failed: {exc}")
+                attempts = ATTEMPTS - 1
+            except Exception as exc:
+                self._fail_on(t, exc)
+                return
+        else:
+            attempts = ATTEMPTS
+        asyncio.get_running_loop().create_task(self._start_slow(t, attempts))
+
+    async def _start_slow(self, t: Transfer, attempts: int) -> None:
+        """Handshake and plan first (shared with every read waiting on the same peer), then post."""
+        try:
+            for _ in range(attempts):
+                route = await self._peers.route(t.msg.remote, t.engine, t.deadline)
+                try:
+                    self._post(t, route)
+                    return
+                except StaleRoute as exc:
+                    self._peers.retire(route.peer, f"posting failed: {exc}")
+                    t.route = None
+            self._fail(t, "transfer", "no READ could be posted on a fresh handshake either")
+        except Exception as exc:
+            self._fail_on(t, exc)
+
+    def _post(self, t: Transfer, route: Route) -> None:
+        if t.done:
+            return
+        if t.engine.closing:  # unregistered while the handshake ran: nothing to post, the peer is fine
+            self._fail(t, "engine_gone", "engine unregistered before the read was posted")
+            return
+        notifications = t.post(route, self._nixl)
+        self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at)
+        if t.handles:
+            self.posted.set()
+        else:
+            self._finish(t)
+
+    def _fail_on(self, t: Transfer, exc: Exception) -> None:
+        """The failure kind an exception on the read path stands for."""
+        if isinstance(exc, hs.HandshakeError):
+            self._fail(t, "handshake", str(exc))
+        elif isinstance(exc, PlanError | GeometryError):
+            self._fail(t, "plan", str(exc))
+        elif isinstance(exc, TransferError):
+            if t.route is not None:
+                self._peers.retire(t.route.peer, str(exc))
+            self._fail(t, "engine_gone" if t.engine.closing else "transfer", str(exc))
+        elif isinstance(exc, asyncio.TimeoutError):
+            self._fail(t, "deadline", "deadline passed while waiting for the handshake")
+        else:
+            log.error("read %s failed unexpectedly", t.msg.request_id, exc_info=exc)
+            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
+
+    # --- end ------------------------------------------------------------------
+    def _finish(self, t: Transfer) -> None:
+        """The read arrived: every byte is in the engine's blocks."""
+        if t.done:
+            return
+        t.done = True
+        seconds = time.monotonic() - t.started
+        self._recorder.read_received(t.peer_label, t.nbytes, seconds, time.perf_counter() - t.received_at)
+        t.engine.complete(P.Completion(t.msg.request_id, "received", [], "", t.nbytes, seconds))
+        self._end(t)
+
+    def _fail(self, t: Transfer, kind: FailureKind, reason: str) -> None:
+        """The read failed: the engine learns which of its blocks hold no valid data."""
+        if t.done:
+            return
+        t.done = True
+        seconds = time.monotonic() - t.started
+        why = f"{kind}: {reason}"
+        self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
+            time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
+        t.engine.complete(P.Completion(t.msg.request_id, "failed", t.msg.local_blocks, why, 0, seconds))
+        self._end(t)
+
+    def _end(self, t: Transfer) -> None:
+        """Out of flight; READs NIXL still runs keep the transfer (and its memory) in quarantine."""
+        self._in_flight.pop(t.key, None)
+        if t.handles:
+            self._quarantine.append(t)
+        self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+
+    def fail_engine(self, er: EngineRank, why: str) -> None:
+        for t in [t for t in self._in_flight.values() if t.engine is er]:
+            self._fail(t, "engine_gone", f"{why} during the transfer")
+
+    def fail_all(self, kind: FailureKind, why: str) -> None:
+        for t in list(self._in_flight.values()):
+            self._fail(t, kind, why)
+
+    # --- polling --------------------------------------------------------------
+    def poll(self, now: float) -> None:
+        """Check posted reads and quarantined handles once."""
+        for t in [t for t in self._in_flight.values() if t.handles]:
+            self._check(t, now)
+        for t in list(self._quarantine):
+            t.release_ended(self._nixl)
+            if not t.handles:
+                self._quarantine.remove(t)
+                self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+
+    def _check(self, t: Transfer, now: float) -> None:
+        try:
+            done = t.poll(self._nixl)
+        except TransferError as exc:
+            t.release_ended(self._nixl)
+            if t.route is not None:
+                self._peers.retire(t.route.peer, str(exc))
+            self._fail(t, "transfer", str(exc))
+            return
+        if done:
+            took = t.transfer_seconds(self._nixl, self._recorder)
+            if t.nbytes >= 1 << 20 and took > 0:
+                # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
+                self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
+            t.release_ended(self._nixl)
+            self._finish(t)
+        elif now >= t.deadline:
+            self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight or self._quarantine)
+
+    @property
+    def quarantined(self) -> int:
+        return len(self._quarantine)
+
+    def next_poll(self, now: float, spin_s: float, interval_s: float) -> float:
+        """Seconds to sleep before the next poll: 0 inside a spin window.
+
+        A read is expected to end `nbytes / observed throughput` after it was posted. The loop
+        spins within `spin_s` of a read's posting or of its expected end, and otherwise sleeps
+        until the next such window (at most `interval_s`): small reads are seen within
+        microseconds, large ones within a spin of their end, and no core burns while bytes move.
+        """
+        wait = interval_s
+        for t in self._in_flight.values():
+            if not t.handles:
+                continue
+            for edge in (t.posted_at, t.posted_at + t.nbytes / self._rate):
+                if edge - spin_s <= now <= edge + spin_s:
+                    return 0.0
+                if edge - spin_s > now:
+                    wait = min(wait, edge - spin_s - now) if wait else edge - spin_s - now
+        return wait
+
+    # --- who uses what --------------------------------------------------------
+    def _transfers(self) -> list[Transfer]:
+        return [*self._in_flight.values(), *self._quarantine]
+
+    def uses_engine(self, er: EngineRank) -> int:
+        return sum(1 for t in self._transfers() if t.engine is er)
+
+    def uses_route(self, route: Route) -> bool:
+        return any(t.route is route for t in self._transfers())
+
+    def uses_peer(self, peer: Peer) -> int:
+        return sum(1 for t in self._transfers() if t.route is not None and t.route.peer is peer)
+
+    def status(self, now: float) -> list[P.ReadStatus]:
+        return [P.ReadStatus(t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, now - t.started)
+                for t in self._in_flight.values()]

@@ -1,0 +1,142 @@
+"""What happened in the daemon, recorded once: Prometheus, the status counters, recent windows.
+
+Components call one intent-named method per event ("a read finished", "a hold ended", "a
+handshake ran"); each method feeds every view of that event, so the views cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Literal
+
+import numpy as np
+
+from . import protocol as P
+from .metrics import Metrics
+
+log = logging.getLogger("kvxferd")
+
+RECENT_S = 10  # the status reply's throughput window
+
+FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "internal"]
+ReadOutcome = Literal["received", "failed"]
+HoldOutcome = Literal["sent", "expired", "dropped"]
+NotificationKind = Literal["consumer", "early", "unknown", "malformed"]
+RpcOutcome = Literal["ok", "error"]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.counters = P.Counters()
+        self.failures: deque[P.FailureRecord] = deque(maxlen=64)
+        self._reads: deque[tuple[float, int]] = deque(maxlen=4096)  # (finish time, bytes) of recent reads
+        self._rpc_to_post: deque[float] = deque(maxlen=8192)  # seconds
+        self._rpc_to_completion: deque[float] = deque(maxlen=8192)
+
+    # --- engine connections ---------------------------------------------------
+    def rpc_answered(self, method: str, outcome: RpcOutcome, seconds: float) -> None:
+        self.metrics.rpc.labels(method, outcome).inc()
+        self.metrics.rpc_seconds.labels(method).observe(seconds)
+
+    def connection_refused(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    def engines_changed(self, ranks: int, engines: int, registered_bytes: int) -> None:
+        self.metrics.ranks.set(ranks)
+        self.metrics.engines.set(engines)
+        self.metrics.registered_bytes.set(registered_bytes)
+
+    # --- reads ----------------------------------------------------------------
+    def reads_now(self, in_flight: int, quarantined: int) -> None:
+        self.metrics.inflight.set(in_flight)
+        self.metrics.quarantined.set(quarantined)
+
+    def read_posted(self, peer: str, descriptors: int, notifications: int, since_rpc_s: float) -> None:
+        self.metrics.descriptors.labels(peer).observe(descriptors)
+        self.metrics.notifs_sent.inc(notifications)
+        self.metrics.read_post.observe(since_rpc_s)
+        self._rpc_to_post.append(since_rpc_s)
+
+    def nixl_timed(self, post_s: float, transfer_s: float) -> None:
+        self.metrics.nixl_post.observe(post_s)
+        self.metrics.nixl_xfer.observe(transfer_s)
+
+    def read_received(self, peer: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
+        self.counters.received += 1
+        self.metrics.transfers.labels(peer, "received").inc()
+        self.metrics.transfer_seconds.labels(peer, "received").observe(seconds)
+        self.metrics.transfer_bytes.labels(peer).inc(nbytes)
+        self._rpc_to_completion.append(since_rpc_s)
+        self._reads.append((time.time(), nbytes))
+
+    def read_failed(self, peer: str, kind: FailureKind, seconds: float, failure: P.FailureRecord) -> None:
+        self.counters.failed += 1
+        self.metrics.transfers.labels(peer, "failed").inc()
+        self.metrics.transfer_seconds.labels(peer, "failed").observe(seconds)
+        self.metrics.transfer_failures.labels(peer, kind).inc()
+        self.failures.append(failure)
+        log.warning("transfer failed: engine=%s rank=%d request=%s peer=%s reason=%s", failure.engine,
+                    failure.rank, failure.request, peer, failure.reason,
+                    extra={"fields": {f: getattr(failure, f) for f in failure.__struct_fields__}})
+
+    # --- holds and notifications ----------------------------------------------
+    def holds_now(self, held: int, oldest_age_s: float | None = None) -> None:
+        self.metrics.held.set(held)
+        if oldest_age_s is not None:
+            self.metrics.held_oldest.set(oldest_age_s)
+
+    def hold_ended(self, outcome: HoldOutcome) -> None:
+        if outcome == "sent":
+            self.counters.sent += 1
+        elif outcome == "expired":
+            self.counters.expired += 1
+        self.metrics.holds_finished.labels(outcome).inc()
+
+    def notification_received(self, kind: NotificationKind) -> None:
+        if kind in ("unknown", "malformed"):
+            self.counters.unknown_notifs += 1
+        self.metrics.notifs_received.labels(kind).inc()
+
+    def early_notifications_dropped(self, count: int) -> None:
+        """Consumers that finished for a hold that never came, forgotten after the longest lease."""
+        self.counters.unknown_notifs += count
+
+    # --- peers ----------------------------------------------------------------
+    def handshake_ran(self, peer: str, seconds: float, failure: str = "") -> None:
+        if failure:
+            self.counters.handshake_failures += 1
+            self.metrics.handshakes.labels(peer, "failed").inc()
+            self.metrics.handshake_failures.labels(failure).inc()
+        else:
+            self.counters.handshakes += 1
+            self.metrics.handshakes.labels(peer, "ok").inc()
+            self.metrics.handshake_seconds.observe(seconds)
+
+    def peers_now(self, peers: int) -> None:
+        self.metrics.peers.set(peers)
+
+    def handshake_answered(self, outcome: str) -> None:
+        self.metrics.handshakes_served.labels(outcome).inc()
+
+    def peer_refused_at_auth(self) -> None:
+        self.counters.unauthenticated_peers += 1
+        self.metrics.handshakes_served.labels("unauthenticated").inc()
+
+    # --- status ---------------------------------------------------------------
+    def recent(self) -> P.Recent:
+        since = time.time() - RECENT_S
+        nbytes = [b for ts, b in self._reads if ts >= since]
+        return P.Recent(RECENT_S, len(nbytes), sum(nbytes), sum(nbytes) / RECENT_S)
+
+    def latency(self) -> P.Latency:
+        return P.Latency(_percentiles(self._rpc_to_post), _percentiles(self._rpc_to_completion))
+
+
+def _percentiles(samples: deque[float]) -> P.Percentiles:
+    if not samples:
+        return P.Percentiles(0)
+    us = np.fromiter(samples, dtype=np.float64) * 1e6
+    return P.Percentiles(len(us), float(np.percentile(us, 50)), float(np.percentile(us, 99)))
