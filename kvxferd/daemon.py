@@ -100,7 +100,8 @@ class Daemon:
         """Stop in phases, each bounded, so the whole fits in systemd's stop timeout (30 s).
 
         1. stop accepting engines and handshakes;  2. end in-flight reads as `failed`;
-        3. wait up to `drain_s` for quarantined READs NIXL still runs;
+        3. wait up to `drain_s` for quarantined READs NIXL still runs and for the engines to
+           poll those failures;
         4. release prepared lists, peers' agents and engine memory;  5. close the sockets.
         """
         self.ready = False
@@ -112,10 +113,11 @@ class Daemon:
             os.unlink(self.cfg.socket_path)
         except OSError:
             pass
-        self.reads.fail_all("shutdown", "the daemon is stopping")
+        told = self.reads.fail_all("shutdown", "the daemon is stopping")
         deadline = time.monotonic() + drain_s
-        while self.reads.quarantined and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)  # the progress loop polls them meanwhile
+        while time.monotonic() < deadline and (self.reads.quarantined or any(
+                er.completions and not er.closing for er in told)):
+            await asyncio.sleep(0.005)  # the progress loop polls NIXL; engines poll their failures
         if self.reads.quarantined:
             log.warning("stopping with %d quarantined reads still running in NIXL", self.reads.quarantined)
         await _cancel(self._tasks)
@@ -214,7 +216,7 @@ class Daemon:
             msg = P.request_decoder.decode(data)
             method = type(msg).__name__.lower()
             if isinstance(msg, P.Poll) and msg.wait_s > 0:
-                er = self.engines.get(msg.engine_id, msg.tp_rank)
+                er = self._rank(msg.engine_id, msg.tp_rank)
                 if not er.completions:
                     return self._poll_later(er, msg, received_at)
             reply: P.Reply = self._dispatch(conn, msg, received_at)
@@ -238,22 +240,29 @@ class Daemon:
                     raise RequestError("version", f"protocol version {version} unsupported; "
                                                   f"this daemon speaks {P.PROTOCOL_VERSION}")
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
-            case P.Register():
-                self.engines.register(conn, msg)
+            case P.Register(memory=memory):
+                self.engines.register(msg, conn.reader.take_fds(sum(1 for m in memory if m.has_fd)), conn)
                 return P.Registered(self.cfg.side_channel, self.nixl.name)
             case P.Unregister(engine_id=engine_id, tp_rank=rank):
-                self._unregister(self.engines.get(engine_id, rank), "unregistered")
+                self._unregister(self._rank(engine_id, rank), "unregistered")
                 return P.Ok()
             case P.Hold(engine_id=engine_id, tp_rank=rank):
-                self.holds.hold(self.engines.get(engine_id, rank), msg)
+                self.holds.hold(self._rank(engine_id, rank), msg)
                 return P.Ok()
             case P.Read(engine_id=engine_id, tp_rank=rank):
-                self.reads.start(self.engines.get(engine_id, rank), msg, received_at)
+                self.reads.start(self._rank(engine_id, rank), msg, received_at)
                 return P.Ok()
             case P.Poll(engine_id=engine_id, tp_rank=rank, max_items=max_items):
-                return self.engines.get(engine_id, rank).take_completions(max_items)
+                return self._rank(engine_id, rank).take_completions(max_items)
             case P.StatusQuery():
                 return P.StatusReply(self.status())
+
+    def _rank(self, engine_id: str, rank: int) -> EngineRank:
+        """The serving rank a request names, or the `unknown_engine` error the engine should see."""
+        er = self.engines.ranks.get((engine_id, rank))
+        if er is None or er.closing:
+            raise RequestError("unknown_engine", f"engine {engine_id!r} rank {rank} is not registered")
+        return er
 
     async def _poll_later(self, er: EngineRank, msg: P.Poll, received_at: float) -> bytes:
         """A long poll: wait up to wait_s (at most a minute) for the first completion."""

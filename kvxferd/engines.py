@@ -14,6 +14,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -89,13 +90,7 @@ class Engines:
         self._nixl = nixl
         self._recorder = recorder
         self._ranks: dict[EngineKey, EngineRank] = {}
-
-    def get(self, engine_id: str, rank: int) -> EngineRank:
-        """A serving rank, or the `unknown_engine` error the engine should see."""
-        er = self._ranks.get((engine_id, rank))
-        if er is None or er.closing:
-            raise RequestError("unknown_engine", f"engine {engine_id!r} rank {rank} is not registered")
-        return er
+        self.ranks = MappingProxyType(self._ranks)  # read only: the dispatch's lookup
 
     def serving(self, engine_id: str) -> list[EngineRank]:
         """The serving ranks of one engine, by rank."""
@@ -109,17 +104,18 @@ class Engines:
         return key in self._ranks
 
     # --- register -------------------------------------------------------------
-    def register(self, conn: ServerConnection, msg: P.Register) -> EngineRank:
-        """Map and register the rank's memory; every fd the request carried is consumed."""
-        fds = deque(conn.reader.take_fds(sum(1 for m in msg.memory if m.has_fd)))
+    def register(self, msg: P.Register, fds: list[int], conn: ServerConnection | None = None) -> EngineRank:
+        """Map and register the rank's memory; every fd in `fds` (one per shm/cuda_vmm handle, in
+        order) is consumed. `conn`: the connection whose closing unregisters the rank."""
+        pending = deque(fds)
         mappings: list[Mapping] = []
         try:
             geo = self._check(msg)
             for m in msg.memory:  # each mapper owns (and closes) the fd it is given
                 if m.kind == "shm":
-                    mappings.append(map_shm(fds.popleft(), m.nbytes))
+                    mappings.append(map_shm(pending.popleft(), m.nbytes))
                 elif m.kind == "cuda_vmm":
-                    mappings.append(map_cuda_vmm(fds.popleft(), m.nbytes, m.device))
+                    mappings.append(map_cuda_vmm(pending.popleft(), m.nbytes, m.device))
                 else:
                     mappings.append(map_cuda(m.cuda_handle, m.nbytes))
         except MappingError as exc:
@@ -127,7 +123,7 @@ class Engines:
                 mp.close()
             raise RequestError("bad_request", str(exc)) from None
         finally:
-            for fd in fds:
+            for fd in pending:
                 os.close(fd)
         regs: list[Registration] = []
         try:
@@ -200,3 +196,4 @@ class Engines:
         return [P.EngineStatus(e.engine_id, e.tp_rank, e.tp_size, e.geometry.model, e.nbytes,
                                e.mappings[0].kind if e.mappings else "-", "closing" if e.closing else "serving",
                                pinned(e), len(e.completions)) for e in self._ranks.values()]
+

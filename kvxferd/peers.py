@@ -35,7 +35,7 @@ RouteKey = tuple[PeerKey, EngineKey]
 
 
 def peer_key(ref: P.RemoteRef) -> PeerKey:
-    return ref.engine_id, ref.host, ref.port
+    return ref.engine_id, ref.host, ref.port  # reads.Reads.start builds the same key inline
 
 
 @dataclass(eq=False)
@@ -75,11 +75,17 @@ class Link:
 
 @dataclass(eq=False)
 class Route:
-    """A local rank's way to a peer: the plan and, per remote rank read from, its prepared lists."""
+    """A local rank's way to a peer: the plan and, per remote rank read from, its prepared lists.
+
+    Plain fields only: posting a read on a route runs no code of this module.
+    """
 
     peer: Peer
+    agent: str  # the peer daemon's NIXL agent
     engine: EngineKey
     plan: RankPlan
+    remote_tp: int
+    expected: int  # consumers of each remote rank's blocks: what the notification announces
     links: dict[int, Link]
 
 
@@ -99,7 +105,7 @@ class Peers:
     async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: float) -> Route:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new."""
         route = self.routes.get((peer_key(ref), er.key))
-        if route is not None and route.peer.tp_size == ref.tp_size:
+        if route is not None and route.remote_tp == ref.tp_size:
             return route
         peer = await self._peer(ref, deadline)
         if peer.tp_size != ref.tp_size:
@@ -180,7 +186,7 @@ class Peers:
         except Exception:
             self._release(links.values())
             raise
-        return Route(peer, er.key, plan, links)
+        return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
 
     # --- retirement and release -----------------------------------------------
     def retire(self, peer: Peer, why: str) -> None:

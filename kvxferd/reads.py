@@ -25,7 +25,7 @@ from . import handshake as hs
 from . import protocol as P
 from .engines import EngineRank
 from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
-from .peers import Peer, Peers, Route, peer_key
+from .peers import Peer, Peers, Route
 from .plan.descriptors import RequestBlocks, request_indices
 from .plan.geometry import GeometryError
 from .plan.planner import PeerPlan, PlanError
@@ -78,7 +78,7 @@ class Transfer:
         reads = request_indices(plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
                                                        self.msg.remote_blocks))
         ref = self.msg.remote
-        expected = plan.consumers_per_remote_rank
+        expected = route.expected
         try:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
@@ -88,7 +88,7 @@ class Transfer:
                 self.descriptors += len(lids)
             for rank in plan.targets:
                 if rank not in reads:
-                    nixl.notify(route.peer.agent, _encode(hs.Notification(ref.engine_id, rank, ref.request_id,
+                    nixl.notify(route.agent, _encode(hs.Notification(ref.engine_id, rank, ref.request_id,
                                                                           expected)))
         except TransferError as exc:
             if not self.handles:
@@ -158,21 +158,22 @@ class Reads:
         now = time.monotonic()
         t = Transfer(er, msg, received_at, now, now + msg.deadline_s)
         self._in_flight[t.key] = t
-        self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
-        route = self._routes.get((peer_key(msg.remote), er.key))
-        if route is not None and route.peer.tp_size == msg.remote.tp_size:
+        ref = msg.remote
+        route = self._routes.get(((ref.engine_id, ref.host, ref.port), (er.engine_id, er.tp_rank)))
+        attempts = ATTEMPTS
+        if route is not None and route.remote_tp == ref.tp_size:
             try:  # the common case: post right here, without a task or an await
                 self._post(t, route)
-                return
+                attempts = 0
             except StaleRoute as exc:
                 self._peers.retire(route.peer, f"posting failed: {exc}")
                 attempts = ATTEMPTS - 1
             except Exception as exc:
                 self._fail_on(t, exc)
-                return
-        else:
-            attempts = ATTEMPTS
-        asyncio.get_running_loop().create_task(self._start_slow(t, attempts))
+                attempts = 0
+        if attempts:
+            asyncio.get_running_loop().create_task(self._start_slow(t, attempts))
+        self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
     async def _start_slow(self, t: Transfer, attempts: int) -> None:
         """Handshake and plan first (shared with every read waiting on the same peer), then post."""
@@ -252,9 +253,12 @@ class Reads:
         for t in [t for t in self._in_flight.values() if t.engine is er]:
             self._fail(t, "engine_gone", f"{why} during the transfer")
 
-    def fail_all(self, kind: FailureKind, why: str) -> None:
+    def fail_all(self, kind: FailureKind, why: str) -> set[EngineRank]:
+        """Fail every read in flight; returns the engine ranks that were told."""
+        told = {t.engine for t in self._in_flight.values()}
         for t in list(self._in_flight.values()):
             self._fail(t, kind, why)
+        return told
 
     # --- polling --------------------------------------------------------------
     def poll(self, now: float) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install what the tests need and run them all:
+# Install what the tests need, check types and lint, and run the tests:
 #  - Debian's Prometheus/promtool (the observability checks use the real tools),
-#  - the Python test tools (pip install -e '.[test]'),
+#  - the Python test tools (pip install -e '.[test]'), mypy and ruff as pyproject.toml configures them,
 #  - vLLM's CPU build in its own environment (scripts/vllm-env.sh), for the real-vLLM tests.
 # Extra arguments go to pytest (e.g. -m 'not vllm' to skip the real-vLLM tests while iterating).
 set -euo pipefail
@@ -12,6 +12,8 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >/dev/null
 fi
 pip install -q -e '.[test]'
+mypy
+ruff check kvxferd tests bench
 KVXFERD_VLLM_PYTHON="$(./scripts/vllm-env.sh | tail -n 1)"
 export KVXFERD_VLLM_PYTHON
 python -m pytest -q "$@"

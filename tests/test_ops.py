@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import yaml
 
+from kvxferd import protocol as P
 from kvxferd.client import RemoteRef
 from kvxferd.plan.models import PRESETS
 from kvxferd.synthetic.demo import Cluster
@@ -257,7 +258,7 @@ def test_status_cli_tables_json_and_no_daemon(cluster, tmp_path):
     assert "engines" in text.stdout and "decode" in text.stdout and "prefill" in text.stdout  # engine + peer
     assert "missing-engine" in text.stdout  # the recent failure, with its reason
     js = subprocess.run([tool("kvxferd"), "status", "--socket", sock, "--json"], capture_output=True, text=True)
-    st = json.loads(js.stdout)
+    st = msgspec.json.decode(js.stdout, type=P.Status)  # the JSON is the typed reply, field for field
     assert len(st.engines) == 4 and st.peers[0].engine == "prefill" and st.counters.received >= 6
     none = subprocess.run([tool("kvxferd"), "status", "--socket", str(tmp_path / "none.sock")],
                           capture_output=True, text=True)

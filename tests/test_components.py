@@ -1,0 +1,257 @@
+"""The daemon's components in one process: real NIXL agents (UCX over loopback), a real ZMQ
+side channel, real shared memory; no daemon subprocess. A prefill side (engines, holds, the
+handshake server) and a decode side (engines, peers, reads) are wired as the daemon wires them,
+and every read is checked byte for byte against what the decode engine would hold had it
+computed the prompt itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import pytest
+import zmq.asyncio
+
+from kvxferd import handshake as hs
+from kvxferd import protocol as P
+from kvxferd.engines import EngineRank, Engines
+from kvxferd.holds import Holds
+from kvxferd.memory import create_shm
+from kvxferd.nixl_driver import NixlDriver
+from kvxferd.peers import Peers
+from kvxferd.plan.geometry import Geometry
+from kvxferd.plan.models import PRESETS, build
+from kvxferd.protocol import RequestError
+from kvxferd.reads import Reads
+from kvxferd.recorder import Recorder
+from kvxferd.synthetic import testing
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
+
+
+@dataclass
+class Side:
+    """One daemon's components and one engine rank registered with them."""
+
+    name: str
+    nixl: NixlDriver
+    recorder: Recorder
+    engines: Engines
+    geometry: Geometry
+    views: list[np.ndarray] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)
+    rank: EngineRank | None = None
+
+    def register(self, engine_id: str) -> EngineRank:
+        fds = []
+        for size in self.geometry.buffers:
+            fd, mm = create_shm(size)
+            fds.append(fd)
+            self.keep.append(mm)
+            self.views.append(np.frombuffer(mm, dtype=np.uint8))
+        msg = P.Register(engine_id, self.geometry.tp_rank, self.geometry.tp_size, self.geometry,
+                         [P.MemoryHandle("shm", size) for size in self.geometry.buffers])
+        self.rank = self.engines.register(msg, fds)
+        return self.rank
+
+
+def side(name: str) -> Side:
+    nixl = NixlDriver(name, progress_thread=False)
+    recorder = Recorder()
+    return Side(name, nixl, recorder, Engines(nixl, recorder), build(SHAPE, 1, 0))
+
+
+@dataclass
+class World:
+    prefill: Side
+    decode: Side
+    holds: Holds
+    peers: Peers
+    reads: Reads
+    port: int
+
+    def remote(self, request_id: str) -> P.RemoteRef:
+        return P.RemoteRef("prefill", "127.0.0.1", self.port, 1, request_id)
+
+    def progress(self) -> None:
+        """One turn of both daemons' progress loops."""
+        for nixl, on_notification in ((self.prefill.nixl, self.holds.on_notification),
+                                      (self.decode.nixl, None)):
+            for messages in nixl.notifications().values():
+                for m in messages:
+                    assert on_notification is not None, "the decode side gets no notifications"
+                    on_notification(m)
+        self.reads.poll(time.monotonic())
+
+    async def completion(self, er: EngineRank, timeout: float = 10) -> P.Completion:
+        deadline = time.monotonic() + timeout
+        while not er.completions:
+            assert time.monotonic() < deadline, "no completion in time"
+            self.progress()
+            await asyncio.sleep(0.001)
+        return er.completions.popleft()
+
+
+@contextlib.asynccontextmanager
+async def make_world() -> AsyncIterator[World]:
+    ctx = zmq.asyncio.Context()
+    p, d = side("p"), side("d")
+    p.register("prefill")
+    d.register("decode")
+    holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
+    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, holds.answer_handshake)
+    task = asyncio.create_task(server.run())
+    peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None)
+    reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60)
+    try:
+        yield World(p, d, holds, peers, reads, server.port)
+    finally:
+        task.cancel()
+        server.close()
+        peers.close()
+        for s in (p, d):
+            for er in s.engines.all():
+                s.engines.release(er)
+        ctx.term()
+
+
+def in_world(scenario: Callable[[World], Awaitable[None]]) -> Callable[[], None]:
+    """A test: the scenario runs on a fresh world on its own event loop."""
+    def test() -> None:
+        async def main() -> None:
+            async with make_world() as w:
+                await scenario(w)
+        asyncio.run(main())
+    test.__name__ = scenario.__name__
+    test.__doc__ = scenario.__doc__
+    return test
+
+
+def prompt(w: World, seq: int, num_tokens: int) -> tuple[testing.Sequence, testing.Sequence]:
+    """The prompt computed on the prefill side, and where the decode side wants it."""
+    need = testing.blocks_needed(w.prefill.geometry, num_tokens)
+    p_seq = testing.Sequence(seq, num_tokens, tuple(tuple(range(n)) for n in need))
+    d_seq = testing.Sequence(seq, num_tokens, tuple(tuple(range(40, 40 + n)) for n in need))
+    testing.fill_sequence(w.prefill.views, w.prefill.geometry, p_seq)
+    return p_seq, d_seq
+
+
+def read_msg(w: World, request_id: str, p_seq: testing.Sequence, d_seq: testing.Sequence,
+             deadline_s: float = 10.0) -> P.Read:
+    return P.Read("decode", 0, request_id, w.remote(request_id), p_seq.num_tokens,
+                  [list(b) for b in d_seq.blocks], [list(b) for b in p_seq.blocks], deadline_s)
+
+
+def expected(w: World, d_seq: testing.Sequence) -> list[np.ndarray]:
+    chunks = [g.tokens_per_page for g in w.decode.geometry.groups]
+    return testing.expect_after_read([v.copy() for v in w.decode.views], w.decode.geometry, d_seq,
+                                     [0] * len(d_seq.blocks), chunks)
+
+
+@in_world
+async def test_read_handshakes_once_then_posts_from_the_cached_route(w: World) -> None:
+    p_er, d_er = w.prefill.rank, w.decode.rank
+    assert p_er is not None and d_er is not None
+    for i, num_tokens in enumerate((37, 64)):
+        p_seq, d_seq = prompt(w, i, num_tokens)
+        want = expected(w, d_seq)
+        w.holds.hold(p_er, P.Hold("prefill", 0, f"r{i}", 30.0, [list(b) for b in p_seq.blocks]))
+        w.reads.start(d_er, read_msg(w, f"r{i}", p_seq, d_seq), time.perf_counter())
+        if i == 1:  # the route is cached: posted inside start(), no task, no await
+            assert [r.request for r in w.reads.status(time.monotonic())] == ["r1"]
+            assert w.reads.uses_engine(d_er) == 1
+        done = await w.completion(d_er)
+        assert (done.status, done.block_ids, done.reason) == ("received", [], "")
+        assert testing.check(w.decode.views, want, w.decode.geometry) == []
+        sent = await w.completion(p_er)
+        assert (sent.request_id, sent.status) == (f"r{i}", "sent")
+    assert w.decode.recorder.counters.handshakes == 1
+    assert w.decode.recorder.counters.received == 2
+    assert w.prefill.recorder.counters.sent == 2
+    assert w.reads.uses_engine(d_er) == 0
+    (peer,) = w.peers.status(w.reads.uses_peer)
+    assert (peer.engine, peer.plans, peer.active, peer.ranks) == ("prefill", 1, 0, [0])
+
+
+@in_world
+async def test_unknown_remote_engine_fails_with_the_local_block_ids(w: World) -> None:
+    d_er = w.decode.rank
+    assert d_er is not None
+    p_seq, d_seq = prompt(w, 5, 20)
+    msg = msgspec.structs.replace(read_msg(w, "x", p_seq, d_seq),
+                                  remote=P.RemoteRef("nobody", "127.0.0.1", w.port, 1, "x"))
+    w.reads.start(d_er, msg, time.perf_counter())
+    done = await w.completion(d_er)
+    assert done.status == "failed" and done.block_ids == msg.local_blocks
+    assert done.reason.startswith("handshake:") and "not registered" in done.reason
+    failure = w.decode.recorder.failures[-1]
+    assert (failure.request, failure.peer) == ("x", "nobody") and failure.reason == done.reason
+    assert w.decode.recorder.counters.handshake_failures == 1
+
+
+@in_world
+async def test_engine_leaving_fails_its_reads_and_is_released_once_unused(w: World) -> None:
+    d_er = w.decode.rank
+    assert d_er is not None
+    p_seq, d_seq = prompt(w, 6, 48)
+    w.reads.start(d_er, read_msg(w, "gone", p_seq, d_seq), time.perf_counter())
+    assert w.decode.engines.close(d_er, "unregistered")
+    w.reads.fail_engine(d_er, "unregistered")
+    assert not d_er.completions, "a closing rank takes no completions"
+    await asyncio.sleep(0.05)  # the handshake task ends; it finds the read done
+    for _ in range(1000):
+        w.progress()
+        if not w.reads.uses_engine(d_er):
+            break
+        await asyncio.sleep(0.002)
+    assert w.decode.engines.idle(lambda e: bool(w.reads.uses_engine(e)), time.monotonic()) == [d_er]
+    w.peers.forget_engine(d_er.key)
+    w.decode.engines.release(d_er)
+    assert w.decode.engines.all() == [] and d_er.mappings == [] and not w.decode.engines.ranks
+    assert w.decode.recorder.counters.failed == 1
+
+
+@in_world
+async def test_notifications_before_the_hold_are_kept_for_it(w: World) -> None:
+    p_er = w.prefill.rank
+    assert p_er is not None
+    note = msgspec.msgpack.encode(hs.Notification("prefill", 0, "early", 2))
+    w.holds.on_notification(note)
+    w.holds.on_notification(b"\x93not a notification")
+    w.holds.on_notification(msgspec.msgpack.encode(hs.Notification("stranger", 0, "r", 1)))
+    w.holds.hold(p_er, P.Hold("prefill", 0, "early", 30.0, [[1, 2]]))
+    assert not p_er.completions, "one of two consumers so far"
+    w.holds.on_notification(note)
+    sent = p_er.completions.popleft()
+    assert (sent.request_id, sent.status, sent.block_ids) == ("early", "sent", [[1, 2]])
+    assert w.prefill.recorder.counters.unknown_notifs == 2  # the malformed one and the stranger's
+
+
+@in_world
+async def test_lease_ends_as_expired_and_renewal_extends_it(w: World) -> None:
+    p_er = w.prefill.rank
+    assert p_er is not None
+    w.holds.hold(p_er, P.Hold("prefill", 0, "a", 0.05, [[3]]))
+    w.holds.hold(p_er, P.Hold("prefill", 0, "b", 0.05, [[4]]))
+    w.holds.hold(p_er, P.Hold("prefill", 0, "b", 30.0, [[4]]))  # renewed
+    w.holds.expire(time.monotonic() + 1.0)
+    (expired,) = p_er.completions
+    assert (expired.request_id, expired.status, expired.block_ids) == ("a", "expired", [[3]])
+    assert "0 of ? consumers" in expired.reason
+    assert [h.request for h in w.holds.status(time.monotonic())] == ["b"]
+    with pytest.raises(RequestError, match="lease_s 120"):
+        w.holds.hold(p_er, P.Hold("prefill", 0, "c", 120.0))
+
+
+@in_world
+async def test_handshake_answer_describes_the_serving_ranks(w: World) -> None:
+    reply = w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill"))
+    assert reply.ok and reply.agent == w.prefill.nixl.name and [r.tp_rank for r in reply.ranks] == [0]
+    assert reply.ranks[0].geometry == w.prefill.geometry
+    assert not w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION + 1, "prefill")).ok
+    assert "not registered" in w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "x")).reason
