@@ -25,7 +25,7 @@ def kvxferd(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 ])
 def test_plan_json(args, reads, notify_only):
     doc = json.loads(kvxferd("plan", *args, "--json").stdout)
-    assert doc["schema"] == 1
+    assert doc["schema"] == 2
     assert [[p["remote_rank"] for p in r["peers"] if p["read"]] for r in doc["ranks"]] == reads
     assert [r["notify_only"] for r in doc["ranks"]] == notify_only
     for rank in doc["ranks"]:
@@ -35,11 +35,11 @@ def test_plan_json(args, reads, notify_only):
                 assert piece["length"] > 0 and piece["local_offset"] >= 0 and piece["remote_offset"] >= 0
 
 
-def test_plan_table_gemma4_shows_sub_blocks():
+def test_plan_table_gemma4_shows_phases():
     out = kvxferd("plan", "--model", "gemma4", "--p-tp", "2", "--d-tp", "4", "--rank", "1").stdout
     assert "decode rank 1: targets [0]" in out
     assert "full(attention, 32->16 tok/block, chunk 16)" in out
-    assert "1/2" in out  # full-attention pieces: one local sub-block, two remote ones per page
+    assert "1/2" in out  # full-attention pieces: one local phase, two remote ones per page
 
 
 def test_plan_block_size_mismatch_and_file(tmp_path):

@@ -73,7 +73,7 @@ def test_tp_gt_heads_block_length():
 
 
 def test_hybrid_descriptor_ids():
-    # 2 attention templates, 4 SSM templates, N=100, attention [3,5], SSM [1,2]
+    # 2 attention pieces, 4 SSM pieces, N=100, attention [3,5], SSM [1,2]
     shape = ModelShape(kind="mamba2", layers=1, ssm_layers=1, kv_heads=4, head_dim=8, block_size=4,
                        layout="blocks-first", ssm_heads=2, ssm_head_dim=2, ssm_state=2, ssm_groups=2,
                        num_blocks=100)

@@ -1,10 +1,10 @@
 """From plans to NIXL inputs: descriptor arrays and per-request descriptor indices.
 
-Descriptor ids of one side of a PeerPlan, template-major:
+Descriptor ids of one side of a PeerPlan, piece-major:
 
-    template 0: phase 0: page 0 .. pages-1 | phase 1: page 0 .. | ...
-    template 1: ...
-    desc_id = base[t] + phase * pages[t] + page
+    piece 0: phase 0: page 0 .. pages-1 | phase 1: page 0 .. | ...
+    piece 1: ...
+    desc_id = base[t] + phase * pages[t] + page     (t: the piece's index)
 
 Everything is vectorized numpy; a 70B-class layout has millions of descriptors per rank.
 """
@@ -32,12 +32,30 @@ def region_addresses(geo: Geometry, buffer_bases: list[int] | tuple[int, ...]) -
 def descriptor_array(region_addr: np.ndarray, region: np.ndarray, offset: np.ndarray, length: np.ndarray,
                      step: np.ndarray, stride: np.ndarray, pages: np.ndarray, phases: np.ndarray,
                      device: int = 0) -> np.ndarray:
-    """(N, 3) int64 [addr, len, dev] rows for all (template, phase, page), in desc-id order."""
+    """(N, 3) int64 [addr, len, dev] rows for all (piece, phase, page), in desc-id order.
+
+    Row base[t] + phase * pages[t] + page, for piece t (base[t]: the rows of the pieces before it):
+
+        addr = region_addr[region[t]] + page * stride[t] + offset[t] + phase * step[t]
+        len  = length[t]
+        dev  = device
+
+    region_addr[r] is where region r starts (`region_addresses`: buffer base + region offset).
+    One region, a piece with 2 phases:
+
+        region_addr[region[t]]
+        v
+        | page 0                          | page 1                          | ...
+        |     [ phase 0  ][ phase 1  ]    |     [ phase 0  ][ phase 1  ]    |
+        <---->                                    offset[t]
+              <---------->                        length[t]; step[t] is phase 0 to phase 1 (equal here)
+        <-------------------------------->        stride[t] (page to page)
+    """
     rows_per = phases * pages
     total = int(rows_per.sum())
     out = np.empty((total, 3), dtype=np.int64)
     out[:, 2] = device
-    # Templates sharing (pages, phases) -- the usual case -- are filled as one 3-D broadcast.
+    # Pieces sharing (pages, phases) -- the usual case -- are filled as one 3-D broadcast.
     start = 0
     for t0, t1 in _runs(pages, phases):
         n_pages, n_phases = int(pages[t0]), int(phases[t0])
@@ -175,7 +193,7 @@ def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.n
 
 
 def _ids(base: np.ndarray, pages: np.ndarray, page: np.ndarray, phase: np.ndarray | None) -> np.ndarray:
-    """base[t] + phase[q] * pages[t] + page[q], flattened template-major. base/pages are (T, 1) int32.
+    """base[t] + phase[q] * pages[t] + page[q], flattened piece-major. base/pages are (pieces, 1) int32.
 
     int32 is what NIXL takes for indices; plans keep every id below 2**31.
     """

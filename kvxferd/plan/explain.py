@@ -7,7 +7,7 @@ from typing import Any
 from .geometry import Geometry
 from .planner import RankPlan
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what each version changed: docs/plan.md
 
 
 def rank_plan_dict(plan: RankPlan, local: Geometry, remotes: dict[int, Geometry]) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def rank_plan_dict(plan: RankPlan, local: Geometry, remotes: dict[int, Geometry]
                     "segment": p.key,
                     "local_region": int(peer.local_region[i]),
                     "remote_region": int(peer.remote_region[i]),
-                    "sub_blocks": {"local": int(peer.local_phases[i]), "remote": int(peer.remote_phases[i])},
+                    "phases": {"local": int(peer.local_phases[i]), "remote": int(peer.remote_phases[i])},
                     "local_offset": p.local_offset,
                     "remote_offset": p.remote_offset,
                     "length": p.length,
@@ -54,11 +54,11 @@ def render_table(doc: dict[str, Any]) -> str:
                 continue
             lines.append(f"  prefill rank {peer['remote_rank']}: read {len(peer['pieces'])} pieces, "
                          f"{peer['local_descs']} local / {peer['remote_descs']} remote descriptors")
-            lines.append(f"    {'group':<6} {'segment':<28} {'reg L/R':>8} {'sub L/R':>8} "
+            lines.append(f"    {'group':<6} {'segment':<28} {'reg L/R':>8} {'phase L/R':>9} "
                          f"{'local off':>10} {'remote off':>10} {'length':>8}")
             for p in peer["pieces"]:
                 seg = p["segment"] if len(p["segment"]) <= 28 else p["segment"][:25] + "..."
                 lines.append(f"    {p['group']:<6} {seg:<28} {p['local_region']:>3}/{p['remote_region']:<4} "
-                             f"{p['sub_blocks']['local']:>3}/{p['sub_blocks']['remote']:<4} "
+                             f"{p['phases']['local']:>4}/{p['phases']['remote']:<4} "
                              f"{p['local_offset']:>10} {p['remote_offset']:>10} {p['length']:>8}")
     return "\n".join(lines)

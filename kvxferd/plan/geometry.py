@@ -116,9 +116,6 @@ class Geometry(msgspec.Struct, frozen=True):
     # computed by other weights (vLLM's enforce_handshake_compat=false).
     weights: str = ""
 
-    def describe(self) -> str:
-        return f"{self.model} tp{self.tp_rank}/{self.tp_size}"
-
 
 def shard(total_units: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
     """The unit range [start, stop) that `tp_rank` of `tp_size` holds.
@@ -185,12 +182,3 @@ def _validate_segment(s: Segment, g: CacheGroup, v: View, where: str) -> None:
         raise GeometryError(f"{where}: unknown layout {s.layout!r}")
     if s.offset < 0 or s.offset + s.nbytes > v.page_stride:
         raise GeometryError(f"{where}: [{s.offset}, +{s.nbytes}) outside the {v.page_stride} B page")
-
-
-def decode(data: bytes) -> Geometry:
-    """Decode and validate a geometry received from an engine or a peer."""
-    try:
-        geo = msgspec.msgpack.decode(data, type=Geometry)
-    except msgspec.DecodeError as exc:
-        raise GeometryError(f"malformed geometry: {exc}") from exc
-    return validate(geo)

@@ -3,15 +3,15 @@
 One algorithm for every model kind. For each local segment, intersect this rank's unit
 range with the unit ranges of the remote ranks it talks to, pick one source per unit
 (the first target rank holding it, which de-duplicates replicas the way vLLM does), and
-emit *templates*: (local offset, remote offset, length) inside a page. Heterogeneous TP,
+emit *pieces*: (local offset, remote offset, length) inside a page. Heterogeneous TP,
 GQA replication, MLA, Mamba conv/SSM splits and per-group head counts all fall out of it.
 
 Block-size mismatch is the same arithmetic on tokens: a group moves in chunks of
 `c = min(local, remote tokens per kernel page)` tokens; the side with larger pages
-addresses a chunk by its *phase* (which c-token slice of the page). A template then
+addresses a chunk by its *phase* (which c-token slice of the page). A piece then
 expands into one descriptor per (phase, page) on each side:
 
-    desc_id = base[template] + phase * pages[template] + page
+    desc_id = base[piece] + phase * pages[piece] + page
 
 The planner is pure: no I/O, no NIXL. `descriptors` turns plans into NIXL arrays and
 per-request indices.
@@ -76,7 +76,11 @@ class GroupPairing:
 
 @dataclass(frozen=True)
 class Piece:
-    """One template: the same bytes in every (phase, page) of a view, on both sides."""
+    """One piece: `length` bytes at `local_offset + phase * local_step` in every page of a local
+    view, read from `remote_offset + phase * remote_step` in every page of a remote view.
+
+    It expands into one descriptor per (phase, page) on each side (`descriptors.descriptor_array`).
+    """
 
     group: int
     key: str  # "view.segment[units]"
@@ -91,7 +95,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class GroupColumns:
-    """The id arithmetic of one group's templates, shaped (T, 1) to broadcast over chunks."""
+    """The id arithmetic of one group's pieces, shaped (pieces, 1) to broadcast over chunks."""
 
     local_base: np.ndarray
     local_pages: np.ndarray
@@ -101,7 +105,7 @@ class GroupColumns:
 
 @dataclass(frozen=True)
 class PeerPlan:
-    """What local rank reads from one remote rank: templates as numpy columns."""
+    """What local rank reads from one remote rank: pieces as numpy columns, one row per piece."""
 
     remote_rank: int
     pieces: tuple[Piece, ...]
@@ -119,7 +123,7 @@ class PeerPlan:
     remote_pages: np.ndarray
     local_phases: np.ndarray
     remote_phases: np.ndarray
-    local_base: np.ndarray  # first descriptor id of each template
+    local_base: np.ndarray  # first descriptor id of each piece
     remote_base: np.ndarray
     num_local_descs: int
     num_remote_descs: int
@@ -244,6 +248,28 @@ def _sources(seg: Segment, key: str, want: tuple[int, ...],
 
 def _pieces(gi: int, key: str, lvi: int, rvi: int, seg: Segment, rseg: Segment,
             start: int, stop: int, chunk: int) -> list[Piece]:
+    """The pieces that read units [start, stop) of segment `key` from one remote rank into this one.
+
+    Offsets are bytes from the start of a page; tb = token_bytes, c = `chunk`, unit_bytes = tokens * tb:
+
+        local_at  = seg.offset  + (start - seg.unit_start)  * seg.unit_bytes
+        remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_bytes
+
+    Both sides c tokens per page: one piece, local_at <- remote_at, (stop - start) * unit_bytes long.
+    Otherwise one piece per unit u = start + i: local_at + i * seg.unit_bytes <- remote_at + i *
+    rseg.unit_bytes, c * tb long, step c * tb (phase p of a page starts p * c * tb further on).
+    Token-major (same units on both sides): one piece seg.offset <- rseg.offset covering c tokens of
+    all units, c * (stop - start) * tb long, step the same. Unit-sealed: whole units only.
+
+    Local units [2, 4) with 16 tokens per page, remote units [0, 4) with 32 (c = 16; ph p: tokens
+    [16p, 16p + 16) of a remote unit). Two pieces, [2] and [3], each 16 * tb long:
+
+      remote | unit 0            | unit 1            | unit 2            | unit 3            |
+                                                     | ph 0    | ph 1    | ph 0    | ph 1    |
+             ^rseg.offset                            ^remote_at          ^remote_at + rseg.unit_bytes
+      local  | unit 2  | unit 3  |      (one phase: 16 tokens per unit)
+             ^local_at ^local_at + seg.unit_bytes
+    """
     tb = seg.token_bytes
     if TOKEN_MAJOR in (seg.layout, rseg.layout):
         same = (seg.unit_start, seg.unit_stop) == (rseg.unit_start, rseg.unit_stop) == (start, stop)
