@@ -127,9 +127,9 @@ class Transfer:
 
 
 def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
-    """Bytes a set of local descriptor ids covers (each descriptor has its template's length)."""
-    template = np.searchsorted(pp.local_base, lids, side="right") - 1
-    return int(pp.length[template].sum())
+    """Bytes a set of local descriptor ids covers (each descriptor has its piece's length)."""
+    piece = np.searchsorted(pp.local_base, lids, side="right") - 1
+    return int(pp.length[piece].sum())
 
 
 class Reads:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
 
 import msgspec
 import numpy as np
 import pytest
 import zmq.asyncio
 
+import kvxferd
 from kvxferd import handshake as hs
 from kvxferd import protocol as P
 from kvxferd.engines import EngineRank, Engines
@@ -255,3 +259,30 @@ async def test_handshake_answer_describes_the_serving_ranks(w: World) -> None:
     assert reply.ranks[0].geometry == w.prefill.geometry
     assert not w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION + 1, "prefill")).ok
     assert "not registered" in w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "x")).reason
+
+
+@in_world
+async def test_a_read_on_a_cached_route_reaches_the_read_post_through_three_files(w: World) -> None:
+    """After the dispatch (rpc.py -> daemon.py), a read runs code of reads.py and the request's
+    descriptor ids (plan/descriptors.py) before NixlDriver.read posts it: five files in all."""
+    d_er = w.decode.rank
+    assert d_er is not None
+    p_seq, d_seq = prompt(w, 7, 40)
+    w.reads.start(d_er, read_msg(w, "warm", p_seq, d_seq), time.perf_counter())  # handshake, route
+    assert (await w.completion(d_er)).status == "received"
+    package = str(Path(kvxferd.__file__).parent)
+    touched: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(package) and "nixl_driver.py" not in touched:
+            touched.append(str(Path(code.co_filename).relative_to(package)))
+
+    sys.setprofile(profile)
+    try:
+        w.reads.start(d_er, read_msg(w, "cached", p_seq, d_seq), time.perf_counter())
+    finally:
+        sys.setprofile(None)
+    assert "nixl_driver.py" in touched, touched
+    assert set(touched) == {"reads.py", "plan/descriptors.py", "nixl_driver.py"}, touched
+    assert (await w.completion(d_er)).status == "received"

@@ -2,8 +2,10 @@
 end `failed` (with their block ids) or `expired` within the configured deadline, memory whose
 transfer outcome is unknown stays mapped, and the daemon serves the next valid request."""
 
+import signal
 import socket
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -194,3 +196,19 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         c.prefill.call("wait_released", 1, 30)
         c.prefill.call("free", blocks)
         serves_next_request(c, 2)
+
+
+def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
+    with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
+        serves_next_request(c, 0)
+        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
+        local = c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)  # returns once posted
+        daemon = c.daemons[1]
+        daemon.proc.send_signal(signal.SIGTERM)
+        outcomes = c.decode.call("wait_read", 1, 30, timeout=60)
+        assert all(o[0] == "failed" and o[2].startswith("shutdown:") and o[1] == local for o in outcomes), outcomes
+        assert daemon.proc.wait(30) == 0  # within systemd's TimeoutStopSec
+        log = Path(daemon.log.name).read_text()
+        assert "kvxferd stopped" in log and "Traceback" not in log
+        c.prefill.call("wait_released", 1, 30)  # quarantined READs that ended still notified: sent or expired
+        c.prefill.call("free", blocks)

@@ -38,7 +38,7 @@ def _measure(fn: Callable[[], T]) -> tuple[T, float, int]:
 
 
 def _baseline_descs(geo: Geometry, region_addr: np.ndarray, peer: PeerPlan) -> list[tuple[int, int, int]]:
-    """The obvious way: loop over templates and pages, append tuples."""
+    """The obvious way: loop over pieces and pages, append tuples."""
     out: list[tuple[int, int, int]] = []
     for t in range(len(peer.pieces)):
         base = int(region_addr[peer.local_region[t]]) + int(peer.local_offset[t])

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .geometry import Geometry
-from .planner import GroupPairing, PeerPlan, PlanError, RankPlan, is_attention
+from .geometry import ATTENTION, Geometry
+from .planner import GroupPairing, PeerPlan, PlanError, RankPlan
 
 
 def region_addresses(geo: Geometry, buffer_bases: list[int] | tuple[int, ...]) -> np.ndarray:
@@ -121,7 +121,7 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
     """The chunks one group moves for a request, validated against the group's block counts."""
     _check_ids(p.name, "local", local, p.local_num_blocks)
     _check_ids(p.name, "remote", remote, p.remote_num_blocks)
-    if not is_attention(p):
+    if p.kind != ATTENTION:
         if len(local) != len(remote):
             raise PlanError(f"state group {p.name}: {len(local)} local blocks but {len(remote)} remote blocks")
         return Chunks(local, None, remote, None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .geometry import ATTENTION, TOKEN_MAJOR, UNIT_SEALED, CacheGroup, Geometry, Segment
+from .geometry import TOKEN_MAJOR, UNIT_SEALED, CacheGroup, Geometry, Segment
 
 
 class PlanError(ValueError):
@@ -349,7 +349,3 @@ def _columns(rank: int, pieces: list[Piece], local: Geometry, remote: Geometry,
         local_base=lbase, remote_base=rbase,
         num_local_descs=int(lsize.sum()), num_remote_descs=int(rsize.sum()), by_group=by_group,
     )
-
-
-def is_attention(pairing: GroupPairing) -> bool:
-    return pairing.kind == ATTENTION
