@@ -90,19 +90,30 @@ def test_decode_through_kvxferd_equals_a_single_instance(world):
 
 
 def test_streaming_through_the_router(world):
+    """Streamed text equals the single instance's; the router passes events on as they come.
+
+    vLLM merges tokens the API server has not sent yet into one event, so on a busy machine a
+    whole answer can arrive as one event: a router that buffered would do that every time.
+    """
     prompt = prompts(1, 70, seed=7)[0]
-    req = urllib.request.Request(world.proxy.url + "/v1/completions",
-                                 data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 16,
-                                                                "temperature": 0, "ignore_eos": True,
-                                                                "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    chunks = []
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for line in resp:
-            line = line.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:])["choices"][0]["text"])
-    assert len(chunks) > 1 and "".join(chunks) == world.single(prompt)
+    events = []
+    for attempt in range(3):
+        req = urllib.request.Request(world.proxy.url + "/v1/completions",
+                                     data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for line in resp:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        assert "".join(chunks) == world.single(prompt), f"attempt {attempt}"
+        events.append(len(chunks))
+        if len(chunks) > 1:
+            break
+    assert max(events) > 1, f"every stream came as one event: {events}"
 
 
 def test_partial_prefix_hit_reads_only_the_missing_tail(world):
