@@ -155,6 +155,15 @@ def bench_control(
     typer.echo(json.dumps(rows, indent=2) if as_json else control.render(rows))
 
 
+@bench_app.command("step")
+def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer.Option(5000)) -> None:
+    """The vLLM worker's cost per scheduler step when nothing finishes, vs a poll RPC per step."""
+    from .benchmarks import step
+
+    rows = step.run(steps=steps)
+    typer.echo(json.dumps(rows, indent=2) if as_json else step.render(rows))
+
+
 @bench_app.command("handshake")
 def bench_handshake(as_json: bool = typer.Option(False, "--json"), peers: int = typer.Option(5)) -> None:
     """First request to a new peer, end to end, against the next one."""

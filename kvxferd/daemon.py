@@ -56,6 +56,7 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: asyncio.Server | None = None
         self._connections: set[ServerConnection] = set()
+        self._wake = asyncio.Event()  # a READ was posted or a hold arrived: progress NIXL now
         self.metrics_port = 0
 
     # --- lifecycle ------------------------------------------------------------
@@ -73,7 +74,7 @@ class Daemon:
         self.engines = Engines(self.nixl, self.recorder)
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s)
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve)
-        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s)
+        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self._wake.set)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
                                             self.holds.answer_handshake, self.curve)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
@@ -139,17 +140,24 @@ class Daemon:
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     async def _progress(self) -> None:
-        """Drive NIXL: peers' notifications, our reads' states, quarantined handles."""
+        """Drive NIXL: peers' notifications, our reads' states, quarantined handles.
+
+        With reads in flight the loop follows `Reads.next_poll`. Without, it progresses NIXL
+        every `idle_poll_s` while it holds requests (consumers may be reading them and will
+        notify), and every `idle_max_s` when it holds nothing, so an idle daemon costs no core.
+        A posted READ or a new hold wakes it at once.
+        """
         cfg = self.cfg
         while True:
             self._drain_notifications()
             self.reads.poll(time.monotonic())
             if self.reads.busy:
                 await asyncio.sleep(self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s))
-            else:  # idle: progress NIXL now and then for peers' reads and notifications
-                self.reads.posted.clear()
+            else:
+                self._wake.clear()
                 try:
-                    await asyncio.wait_for(self.reads.posted.wait(), cfg.idle_poll_s)
+                    await asyncio.wait_for(self._wake.wait(),
+                                           cfg.idle_poll_s if self.holds.held else cfg.idle_max_s)
                 except TimeoutError:
                     pass
 
@@ -248,6 +256,7 @@ class Daemon:
                 return P.Ok()
             case P.Hold(engine_id=engine_id, tp_rank=rank):
                 self.holds.hold(self._rank(engine_id, rank), msg)
+                self._wake.set()
                 return P.Ok()
             case P.Read(engine_id=engine_id, tp_rank=rank):
                 self.reads.start(self._rank(engine_id, rank), msg, received_at)

@@ -62,6 +62,10 @@ class Holds:
         self._held: dict[HoldKey, Held] = {}
         self._early: dict[HoldKey, Early] = {}
 
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
     def hold(self, er: EngineRank, msg: P.Hold) -> None:
         """Hold a request's blocks for its consumers, or renew the lease of one held already."""
         if msg.lease_s > self._max_lease_s:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -133,7 +134,8 @@ def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
 
 
 class Reads:
-    def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float) -> None:
+    def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
+                 on_posted: Callable[[], None] = lambda: None) -> None:
         self._nixl = nixl
         self._peers = peers
         self._routes = peers.routes  # read only: the fast path's lookup
@@ -141,7 +143,7 @@ class Reads:
         self._max_deadline_s = max_deadline_s
         self._in_flight: dict[ReadKey, Transfer] = {}
         self._quarantine: list[Transfer] = []
-        self.posted = asyncio.Event()  # wakes the progress loop from its idle wait
+        self._on_posted = on_posted  # wakes the progress loop from its idle wait
         self._rate = 2e9  # bytes/s of recent large reads: when to expect a read to end
 
     # --- start ----------------------------------------------------------------
@@ -199,7 +201,7 @@ class Reads:
         notifications = t.post(route, self._nixl)
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at)
         if t.handles:
-            self.posted.set()
+            self._on_posted()
         else:
             self._finish(t)
 
