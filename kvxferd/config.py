@@ -38,8 +38,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_deadline_s: float = 600.0
     poll_interval_s: float = 0.001  # longest sleep between polls while reads are in flight
     spin_s: float = 0.002  # poll on every loop turn this close to a read's posting or expected end
-    idle_poll_s: float = 0.001  # no read in flight, requests held: how often to progress NIXL
-    idle_max_s: float = 0.05  # nothing in flight, nothing held: how often to progress NIXL
+    # No read in flight (see pace.py): spin for spin_s after a hold, a notification or a
+    # handshake answered; then progress NIXL every idle_poll_s while requests are held or for
+    # idle_hot_s after that activity; then every idle_max_s.
+    idle_poll_s: float = 0.001
+    idle_hot_s: float = 1.0
+    idle_max_s: float = 0.05
     max_frame_bytes: int = 64 << 20
     log_format: str = "text"  # text or json
     log_level: str = "INFO"

@@ -34,6 +34,7 @@ from .engines import EngineRank, Engines
 from .holds import Holds
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
+from .pace import SPIN, Pace
 from .peers import Peers
 from .protocol import RequestError
 from .reads import Reads
@@ -57,6 +58,7 @@ class Daemon:
         self._http: asyncio.Server | None = None
         self._connections: set[ServerConnection] = set()
         self._wake = asyncio.Event()  # a READ was posted or a hold arrived: progress NIXL now
+        self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
         self.metrics_port = 0
 
     # --- lifecycle ------------------------------------------------------------
@@ -76,7 +78,7 @@ class Daemon:
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self._wake.set)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
-                                            self.holds.answer_handshake, self.curve)
+                                            self._answer_handshake, self.curve)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
         group = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         self.unix_sock, accept = await serve_unix(cfg.socket_path, self._on_connect, self._on_frame,
@@ -142,10 +144,8 @@ class Daemon:
     async def _progress(self) -> None:
         """Drive NIXL: peers' notifications, our reads' states, quarantined handles.
 
-        With reads in flight the loop follows `Reads.next_poll`. Without, it progresses NIXL
-        every `idle_poll_s` while it holds requests (consumers may be reading them and will
-        notify), and every `idle_max_s` when it holds nothing, so an idle daemon costs no core.
-        A posted READ or a new hold wakes it at once.
+        With reads in flight the loop follows `Reads.next_poll`; without, `Pace` (peers reading
+        our memory need our progress). A posted READ or a new hold wakes it at once.
         """
         cfg = self.cfg
         while True:
@@ -153,13 +153,16 @@ class Daemon:
             self.reads.poll(time.monotonic())
             if self.reads.busy:
                 await asyncio.sleep(self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s))
-            else:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(),
-                                           cfg.idle_poll_s if self.holds.held else cfg.idle_max_s)
-                except TimeoutError:
-                    pass
+                continue
+            wait = self.pace.idle_wait(time.monotonic(), bool(self.holds.held))
+            if wait == SPIN:
+                await asyncio.sleep(0)
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except TimeoutError:
+                pass
 
     def _drain_notifications(self) -> None:
         try:
@@ -170,6 +173,8 @@ class Daemon:
         for messages in notifs.values():
             for m in messages:
                 self.holds.on_notification(m)
+        if notifs:
+            self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
         while True:
@@ -183,6 +188,11 @@ class Daemon:
         for er in self.engines.idle(lambda e: bool(self.reads.uses_engine(e)), now):
             self.peers.forget_engine(er.key)  # its prepared lists go before its memory
             self.engines.release(er)
+
+    def _answer_handshake(self, req: hs.HandshakeRequest) -> hs.HandshakeReply:
+        self.pace.active(time.monotonic())  # a peer is about to read our memory
+        self._wake.set()
+        return self.holds.answer_handshake(req)
 
     def _on_refused_peer(self, event: int) -> None:
         self.recorder.peer_refused_at_auth()
@@ -256,6 +266,7 @@ class Daemon:
                 return P.Ok()
             case P.Hold(engine_id=engine_id, tp_rank=rank):
                 self.holds.hold(self._rank(engine_id, rank), msg)
+                self.pace.active(time.monotonic())
                 self._wake.set()
                 return P.Ok()
             case P.Read(engine_id=engine_id, tp_rank=rank):
