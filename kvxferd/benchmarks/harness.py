@@ -7,6 +7,7 @@ import mmap
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,20 @@ def pct(xs: Sequence[float], q: float) -> float:
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_percent(pids: Sequence[int], seconds: float) -> list[float]:
+    """Each process's CPU use over `seconds`, in percent of one core."""
+    before = [cpu_seconds(p) for p in pids]
+    time.sleep(seconds)
+    return [(cpu_seconds(p) - b) / seconds * 100 for p, b in zip(pids, before)]
 
 
 @contextmanager
