@@ -164,6 +164,16 @@ def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer
     typer.echo(json.dumps(rows, indent=2) if as_json else step.render(rows))
 
 
+@bench_app.command("scale")
+def bench_scale(as_json: bool = typer.Option(False, "--json"), holds: int = typer.Option(10_000),
+                peers: int = typer.Option(1_000)) -> None:
+    """Bookkeeping as requests and peers grow: 10,000 holds on a real daemon, 1,000 peers simulated."""
+    from .benchmarks import scale
+
+    result = scale.run(holds, peers)
+    typer.echo(json.dumps(result, indent=2) if as_json else scale.render(result))
+
+
 @bench_app.command("handshake")
 def bench_handshake(as_json: bool = typer.Option(False, "--json"), peers: int = typer.Option(5)) -> None:
     """First request to a new peer, end to end, against the next one."""

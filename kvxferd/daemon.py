@@ -298,20 +298,24 @@ class Daemon:
     def status(self) -> P.Status:
         now = time.monotonic()
         cfg = self.cfg
+        rows = P.STATUS_ROWS
+        engines, peers = self.engines.status(self.reads.uses_engine), self.peers.status(self.reads.uses_peer)
+        in_flight, held = self.reads.status(now, rows), self.holds.status(now, rows)
         return P.Status(
             version=__version__, agent=self.nixl.name, uptime_s=time.time() - self.started,
             socket=cfg.socket_path, side_channel=cfg.side_channel,
             side_channel_auth="curve" if self.curve else "none",
             metrics=f"{cfg.metrics_host}:{self.metrics_port}" if self._http is not None else None,
-            engines=self.engines.status(self.reads.uses_engine),
-            peers=self.peers.status(self.reads.uses_peer),
-            in_flight=self.reads.status(now),
+            engines=engines[:rows],
+            peers=peers[:rows],
+            in_flight=in_flight,
             quarantined=self.reads.quarantined,
-            held=self.holds.status(now),
+            held=held,
             recent=self.recorder.recent(),
             counters=msgspec.structs.replace(self.recorder.counters),
             latency_us=self.recorder.latency(),
             failures=list(self.recorder.failures)[-16:],
+            totals=P.Totals(len(engines), len(peers), self.reads.in_flight, self.holds.held),
         )
 
 

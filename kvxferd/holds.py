@@ -9,6 +9,7 @@ longest lease) for the hold it belongs to.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass
@@ -154,7 +155,8 @@ class Holds:
         return hs.HandshakeReply(True, agent=self._nixl.name, metadata=self._nixl.metadata(),
                                  ranks=[e.rank_info() for e in ranks])
 
-    def status(self, now: float) -> list[P.HoldStatus]:
+    def status(self, now: float, limit: int) -> list[P.HoldStatus]:
+        """The `limit` oldest holds."""
         return [P.HoldStatus(h.engine.engine_id, h.engine.tp_rank, h.request_id,
                              f"{h.count}/{h.expected or '?'}", now - h.since, h.deadline - now)
-                for h in self._held.values()]
+                for h in heapq.nsmallest(limit, self._held.values(), key=lambda h: h.since)]

@@ -222,6 +222,18 @@ class FailureRecord(msgspec.Struct):
     reason: str
 
 
+class Totals(msgspec.Struct):
+    """How many there are: the status lists show at most STATUS_ROWS of each (the oldest)."""
+
+    engines: int
+    peers: int
+    in_flight: int
+    held: int
+
+
+STATUS_ROWS = 100  # rows per status list: a daemon with 10,000 holds answers `status` quickly
+
+
 class Status(msgspec.Struct):
     version: str
     agent: str
@@ -239,6 +251,7 @@ class Status(msgspec.Struct):
     counters: Counters
     latency_us: Latency
     failures: list[FailureRecord]
+    totals: Totals
 
 
 class StatusReply(Msg, tag="status_reply"):

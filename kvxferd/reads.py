@@ -14,6 +14,7 @@ rank and its route for as long as it is in flight or quarantined; nothing counts
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -332,6 +333,11 @@ class Reads:
     def uses_peer(self, peer: Peer) -> int:
         return sum(1 for t in self._transfers() if t.route is not None and t.route.peer is peer)
 
-    def status(self, now: float) -> list[P.ReadStatus]:
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def status(self, now: float, limit: int) -> list[P.ReadStatus]:
+        """The `limit` oldest reads in flight."""
         return [P.ReadStatus(t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, now - t.started)
-                for t in self._in_flight.values()]
+                for t in heapq.nsmallest(limit, self._in_flight.values(), key=lambda t: t.started)]

@@ -19,6 +19,7 @@ from .metrics import Metrics
 log = logging.getLogger("kvxferd")
 
 RECENT_S = 10  # the status reply's throughput window
+PEER_LABELS = 64  # distinct `peer` label values in Prometheus; later peers count as "other"
 
 FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "internal"]
 ReadOutcome = Literal["received", "failed"]
@@ -35,6 +36,17 @@ class Recorder:
         self._reads: deque[tuple[float, int]] = deque(maxlen=4096)  # (finish time, bytes) of recent reads
         self._rpc_to_post: deque[float] = deque(maxlen=8192)  # seconds
         self._rpc_to_completion: deque[float] = deque(maxlen=8192)
+        self._peer_labels: set[str] = set()
+
+    def _peer(self, peer: str) -> str:
+        """The peer's label: its engine id for the first PEER_LABELS peers, then "other", so the
+        number of series stays bounded however many peers a daemon meets."""
+        if peer in self._peer_labels:
+            return peer
+        if len(self._peer_labels) < PEER_LABELS:
+            self._peer_labels.add(peer)
+            return peer
+        return "other"
 
     # --- engine connections ---------------------------------------------------
     def rpc_answered(self, method: str, outcome: RpcOutcome, seconds: float) -> None:
@@ -55,7 +67,7 @@ class Recorder:
         self.metrics.quarantined.set(quarantined)
 
     def read_posted(self, peer: str, descriptors: int, notifications: int, since_rpc_s: float) -> None:
-        self.metrics.descriptors.labels(peer).observe(descriptors)
+        self.metrics.descriptors.labels(self._peer(peer)).observe(descriptors)
         self.metrics.notifs_sent.inc(notifications)
         self.metrics.read_post.observe(since_rpc_s)
         self._rpc_to_post.append(since_rpc_s)
@@ -66,17 +78,17 @@ class Recorder:
 
     def read_received(self, peer: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
         self.counters.received += 1
-        self.metrics.transfers.labels(peer, "received").inc()
-        self.metrics.transfer_seconds.labels(peer, "received").observe(seconds)
-        self.metrics.transfer_bytes.labels(peer).inc(nbytes)
+        self.metrics.transfers.labels(self._peer(peer), "received").inc()
+        self.metrics.transfer_seconds.labels(self._peer(peer), "received").observe(seconds)
+        self.metrics.transfer_bytes.labels(self._peer(peer)).inc(nbytes)
         self._rpc_to_completion.append(since_rpc_s)
         self._reads.append((time.time(), nbytes))
 
     def read_failed(self, peer: str, kind: FailureKind, seconds: float, failure: P.FailureRecord) -> None:
         self.counters.failed += 1
-        self.metrics.transfers.labels(peer, "failed").inc()
-        self.metrics.transfer_seconds.labels(peer, "failed").observe(seconds)
-        self.metrics.transfer_failures.labels(peer, kind).inc()
+        self.metrics.transfers.labels(self._peer(peer), "failed").inc()
+        self.metrics.transfer_seconds.labels(self._peer(peer), "failed").observe(seconds)
+        self.metrics.transfer_failures.labels(self._peer(peer), kind).inc()
         self.failures.append(failure)
         log.warning("transfer failed: engine=%s rank=%d request=%s peer=%s reason=%s", failure.engine,
                     failure.rank, failure.request, peer, failure.reason,
@@ -108,11 +120,11 @@ class Recorder:
     def handshake_ran(self, peer: str, seconds: float, failure: str = "") -> None:
         if failure:
             self.counters.handshake_failures += 1
-            self.metrics.handshakes.labels(peer, "failed").inc()
+            self.metrics.handshakes.labels(self._peer(peer), "failed").inc()
             self.metrics.handshake_failures.labels(failure).inc()
         else:
             self.counters.handshakes += 1
-            self.metrics.handshakes.labels(peer, "ok").inc()
+            self.metrics.handshakes.labels(self._peer(peer), "ok").inc()
             self.metrics.handshake_seconds.observe(seconds)
 
     def peers_now(self, peers: int) -> None:

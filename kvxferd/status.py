@@ -29,6 +29,10 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
+def _more(shown: int, total: int) -> list[str]:
+    return [f"  ... {total - shown} more (oldest shown)"] if total > shown else []
+
+
 def render(st: Status) -> str:
     c, rec = st.counters, st.recent
     lines = [f"kvxferd {st.version}  agent {st.agent}  up {st.uptime_s:.0f}s",
@@ -38,16 +42,21 @@ def render(st: Status) -> str:
              f"   quarantined: {st.quarantined}", "", "engines"]
     lines += _table(st.engines, [("engine", "ENGINE"), ("rank", "RANK"), ("tp_size", "TP"), ("memory", "MEM"),
                                  ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
+    t = st.totals
+    lines += _more(len(st.engines), t.engines)
     lines += ["", "peers"]
     lines += _table(st.peers, [("engine", "ENGINE"), ("address", "ADDRESS"), ("agent", "AGENT"),
                                ("handshake_age_s", "AGE s"), ("plans", "PLANS"), ("ranks", "RANKS"),
                                ("active", "ACTIVE")])
+    lines += _more(len(st.peers), t.peers)
     lines += ["", "in flight"]
     lines += _table(st.in_flight, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
                                    ("peer", "PEER"), ("age_s", "AGE s")])
+    lines += _more(len(st.in_flight), t.in_flight)
     lines += ["", "held"]
     lines += _table(st.held, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
                               ("consumers", "CONSUMERS"), ("age_s", "AGE s"), ("expires_in_s", "EXPIRES s")])
+    lines += _more(len(st.held), t.held)
     lines += ["", "recent failures"]
     lines += _table(st.failures, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
                                   ("peer", "PEER"), ("reason", "REASON")])

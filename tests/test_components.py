@@ -167,7 +167,7 @@ async def test_read_handshakes_once_then_posts_from_the_cached_route(w: World) -
         w.holds.hold(p_er, P.Hold("prefill", 0, f"r{i}", 30.0, [list(b) for b in p_seq.blocks]))
         w.reads.start(d_er, read_msg(w, f"r{i}", p_seq, d_seq), time.perf_counter())
         if i == 1:  # the route is cached: posted inside start(), no task, no await
-            assert [r.request for r in w.reads.status(time.monotonic())] == ["r1"]
+            assert [r.request for r in w.reads.status(time.monotonic(), 10)] == ["r1"]
             assert w.reads.uses_engine(d_er) == 1
         done = await w.completion(d_er)
         assert (done.status, done.block_ids, done.reason) == ("received", [], "")
@@ -247,7 +247,7 @@ async def test_lease_ends_as_expired_and_renewal_extends_it(w: World) -> None:
     (expired,) = p_er.completions
     assert (expired.request_id, expired.status, expired.block_ids) == ("a", "expired", [[3]])
     assert "0 of ? consumers" in expired.reason
-    assert [h.request for h in w.holds.status(time.monotonic())] == ["b"]
+    assert [h.request for h in w.holds.status(time.monotonic(), 10)] == ["b"]
     with pytest.raises(RequestError, match="lease_s 120"):
         w.holds.hold(p_er, P.Hold("prefill", 0, "c", 120.0))
 
@@ -286,3 +286,14 @@ async def test_a_read_on_a_cached_route_reaches_the_read_post_through_three_file
     assert "nixl_driver.py" in touched, touched
     assert set(touched) == {"reads.py", "plan/descriptors.py", "nixl_driver.py"}, touched
     assert (await w.completion(d_er)).status == "received"
+
+
+@in_world
+async def test_status_lists_the_oldest_holds_and_counts_all(w: World) -> None:
+    p_er = w.prefill.rank
+    assert p_er is not None
+    for i in range(250):
+        w.holds.hold(p_er, P.Hold("prefill", 0, f"h{i}", 30.0, [[i % 8]]))
+    oldest = w.holds.status(time.monotonic(), P.STATUS_ROWS)
+    assert [h.request for h in oldest] == [f"h{i}" for i in range(P.STATUS_ROWS)]
+    assert w.holds.held == 250
