@@ -70,7 +70,8 @@ class Client:
             self.sock.close()
             raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
         self.reader = FrameReader()
-        self.daemon = self.call(_hello(client), P.Welcome).daemon
+        welcome = self.call(_hello(client), P.Welcome)
+        self.daemon, self.version = welcome.daemon, welcome.version
 
     def call(self, msg: P.Msg, expect: type[R], fds: Sequence[int] = (), timeout: float | None = None) -> R:
         body = frame(P.encoder.encode(msg))
@@ -120,6 +121,7 @@ class AsyncClient:
         self.loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.daemon = ""
+        self.version = P.PROTOCOL_VERSION
 
     @classmethod
     async def connect(cls, path: str, client: str = "") -> AsyncClient:
@@ -131,7 +133,8 @@ class AsyncClient:
             sock.close()
             raise ConnectionError(f"no kvxferd daemon at {path}: {exc.strerror or exc}") from None
         self = cls(sock)
-        self.daemon = (await self.call(_hello(client), P.Welcome)).daemon
+        welcome = await self.call(_hello(client), P.Welcome)
+        self.daemon, self.version = welcome.daemon, welcome.version
         return self
 
     async def call(self, msg: P.Msg, expect: type[R], fds: Sequence[int] = ()) -> R:
@@ -190,6 +193,13 @@ class Requests:
         return P.Poll(self.engine_id, self.rank, wait_s, max_items)
 
 
+Order = P.Hold | P.Read
+
+
+def _outcomes(results: P.Results) -> list[DaemonError | None]:
+    return [DaemonError(r.code, r.message) if isinstance(r, P.Error) else None for r in results.items]
+
+
 def _blocks(lists: BlockLists) -> list[list[int]]:
     return [[int(b) for b in blocks] for blocks in lists]
 
@@ -223,6 +233,22 @@ class EngineClient:
 
     def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions, timeout=wait_s + 30).items
+
+    def batch(self, orders: Sequence[Order]) -> list[DaemonError | None]:
+        """Holds and reads (built with `self.requests`) in one round trip, one call each to a
+        protocol-1 daemon; per order, None or the error the daemon refused it with."""
+        if not orders:
+            return []
+        if self.rpc.version < 2:
+            out: list[DaemonError | None] = []
+            for order in orders:
+                try:
+                    self.rpc.call(order, P.Ok)
+                    out.append(None)
+                except DaemonError as exc:
+                    out.append(exc)
+            return out
+        return _outcomes(self.rpc.call(P.Batch(list(orders)), P.Results))
 
     def status(self) -> P.Status:
         return self.rpc.status()
@@ -267,6 +293,12 @@ class AsyncEngineClient:
 
     async def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return (await self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions)).items
+
+    async def batch(self, orders: Sequence[Order]) -> list[DaemonError | None]:
+        """Holds and reads (built with `self.requests`) in one round trip; per order, None or its error."""
+        if not orders:
+            return []
+        return _outcomes(await self.rpc.call(P.Batch(list(orders)), P.Results))
 
     async def stream(self, wait_s: float = 1.0) -> AsyncIterator[P.Completion]:
         """Completions as they come (long-polls under the hood)."""

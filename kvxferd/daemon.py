@@ -254,9 +254,9 @@ class Daemon:
     def _dispatch(self, conn: ServerConnection, msg: P.Request, received_at: float) -> P.Reply:
         match msg:
             case P.Hello(version=version):
-                if version != P.PROTOCOL_VERSION:
+                if version not in P.SUPPORTED_VERSIONS:
                     raise RequestError("version", f"protocol version {version} unsupported; "
-                                                  f"this daemon speaks {P.PROTOCOL_VERSION}")
+                                                  f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
             case P.Register(memory=memory):
                 self.engines.register(msg, conn.reader.take_fds(sum(1 for m in memory if m.has_fd)), conn)
@@ -272,10 +272,21 @@ class Daemon:
             case P.Read(engine_id=engine_id, tp_rank=rank):
                 self.reads.start(self._rank(engine_id, rank), msg, received_at)
                 return P.Ok()
+            case P.Batch(items=items):
+                return P.Results([self._batched(conn, item, received_at) for item in items])
             case P.Poll(engine_id=engine_id, tp_rank=rank, max_items=max_items):
                 return self._rank(engine_id, rank).take_completions(max_items)
             case P.StatusQuery():
                 return P.StatusReply(self.status())
+
+    def _batched(self, conn: ServerConnection, item: P.Hold | P.Read, received_at: float) -> P.Ok | P.Error:
+        """One item of a batch: its own outcome; a refusal ends only this item."""
+        try:
+            reply = self._dispatch(conn, item, received_at)
+        except RequestError as exc:
+            return P.Error(exc.code, str(exc))
+        assert isinstance(reply, P.Ok)
+        return reply
 
     def _rank(self, engine_id: str, rank: int) -> EngineRank:
         """The serving rank a request names, or the `unknown_engine` error the engine should see."""

@@ -12,7 +12,8 @@ from msgspec import Meta
 
 from .plan.geometry import Geometry
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2 added `batch`; the daemon still serves version 1 clients
+SUPPORTED_VERSIONS = (1, 2)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -100,6 +101,12 @@ class Read(Msg, tag="read"):
     deadline_s: Seconds = 30.0
 
 
+class Batch(Msg, tag="batch"):
+    """Protocol 2: several holds and reads in one frame, carried out in order, one result each
+    (an engine step's orders in one round trip)."""
+    items: Annotated[list[Hold | Read], Meta(max_length=4096)]
+
+
 class Poll(Msg, tag="poll"):
     engine_id: Name
     tp_rank: Rank
@@ -111,7 +118,7 @@ class StatusQuery(Msg, tag="status"):
     pass
 
 
-Request = Hello | Register | Unregister | Hold | Read | Poll | StatusQuery
+Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery
 
 
 class Completion(msgspec.Struct):
@@ -263,7 +270,12 @@ class Error(Msg, tag="error"):
     message: str
 
 
-Reply = Welcome | Registered | Ok | Completions | StatusReply | Error
+class Results(Msg, tag="results"):
+    """The answer to a `batch`: per item, `ok` or the `error` it alone got."""
+    items: list[Ok | Error]
+
+
+Reply = Welcome | Registered | Ok | Completions | StatusReply | Error | Results
 
 # What decoding untrusted bytes may raise (msgspec reports bad UTF-8 as UnicodeDecodeError).
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)

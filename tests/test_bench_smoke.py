@@ -14,9 +14,10 @@ def test_bench_data_runs():
 
 
 def test_bench_control_runs():
-    (row,) = control.run(levels=(4,), requests=40)
+    row, batched = control.run(levels=(4,), requests=40, batched=(8,), batch=4)
     assert row["requests"] == 40 and row["req_per_s"] > 0
     assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
+    assert (batched["batch"], batched["requests"]) == (4, 40) and batched["req_per_s"] > 0
 
 
 def test_bench_handshake_runs():

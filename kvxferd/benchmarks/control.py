@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from .. import protocol as P
 from ..client import AsyncEngineClient, Completion, RemoteRef
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
@@ -21,8 +22,11 @@ BLOCKS = 16
 
 
 async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
-                 requests: int) -> tuple[float, list[float]]:
-    """`requests` reads, `concurrency` in flight; one connection posts, another streams completions."""
+                 requests: int, batch: int = 1) -> tuple[float, list[float]]:
+    """`requests` reads, `concurrency` in flight; one connection posts, another streams completions.
+
+    `batch` > 1: reads go `batch` to a frame (protocol 2), posted whenever that many slots are free.
+    """
     poster = await AsyncEngineClient.connect(socket, "d", 0, 1)
     poller = await AsyncEngineClient.connect(socket, "d", 0, 1)
     waiting: dict[str, asyncio.Future[Completion]] = {}
@@ -49,6 +53,14 @@ async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int,
     pump_task = asyncio.create_task(pump())
     await one(-1, 0)  # handshake and plan outside the measurement
     latencies.clear()
+    if batch > 1:
+        t0 = time.perf_counter()
+        await _batched(poster, waiting, latencies, remote_host, remote_port, concurrency, requests, batch)
+        elapsed = time.perf_counter() - t0
+        pump_task.cancel()
+        poster.close()
+        poller.close()
+        return elapsed, latencies
     sem = asyncio.Semaphore(concurrency)
     slots = list(range(concurrency))
 
@@ -69,18 +81,60 @@ async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int,
     return elapsed, latencies
 
 
-def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000) -> list[dict[str, float]]:
+async def _batched(poster: AsyncEngineClient, waiting: dict[str, asyncio.Future[Completion]],
+                   latencies: list[float], host: str, port: int, concurrency: int, requests: int,
+                   batch: int) -> None:
+    free = list(range(concurrency))
+    room = asyncio.Condition()
+
+    async def finish(rid: str, slot: int, t0: float, fut: asyncio.Future[Completion]) -> None:
+        c = await fut
+        latencies.append(time.perf_counter() - t0)
+        assert c.status == "received", c
+        async with room:
+            free.append(slot)
+            room.notify()
+
+    def room_for(k: int) -> Callable[[], bool]:
+        return lambda: len(free) >= k
+
+    tasks = []
+    sent = 0
+    while sent < requests:
+        n = min(batch, requests - sent)
+        async with room:
+            await room.wait_for(room_for(n))
+            slots = [free.pop() for _ in range(n)]
+        msgs: list[P.Hold | P.Read] = []
+        t0 = time.perf_counter()
+        for slot in slots:
+            rid = f"b{concurrency}-{sent}"
+            sent += 1
+            blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
+            fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+            waiting[rid] = fut
+            msgs.append(poster.requests.read(rid, RemoteRef("p", host, port, 1, rid), BLOCKS * 16, blocks, blocks,
+                                             30.0))
+            tasks.append(asyncio.create_task(finish(rid, slot, t0, fut)))
+        assert all(e is None for e in await poster.batch(msgs))
+    await asyncio.gather(*tasks)
+
+
+def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
+        batched: Iterable[int] = (256,), batch: int = 16) -> list[dict[str, float]]:
+    """One row per level, then per `batched` level the same reads `batch` to a frame."""
     rows: list[dict[str, float]] = []
-    for concurrency in levels:
+    runs = [(c, 1) for c in levels] + [(c, batch) for c in batched]
+    for concurrency, per_frame in runs:
         with daemons(2) as (pd, dd):
             geo = build(SHAPE, 1, 0)
             p = BenchEngine(pd.socket, "p", geo)
             d = BenchEngine(dd.socket, "d", geo)
             host, port = p.side_channel.rsplit(":", 1)
             n = requests if concurrency > 1 else max(200, requests // 4)
-            elapsed, lat = asyncio.run(_drive(dd.socket, geo, host, int(port), concurrency, n))
+            elapsed, lat = asyncio.run(_drive(dd.socket, geo, host, int(port), concurrency, n, per_frame))
             daemon = d.client.status().latency_us
-            rows.append({"concurrency": concurrency, "requests": n, "req_per_s": n / elapsed,
+            rows.append({"concurrency": concurrency, "batch": per_frame, "requests": n, "req_per_s": n / elapsed,
                          "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
                          "rpc_to_post_p50_us": _us(daemon.rpc_to_post.p50),
                          "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),
@@ -92,10 +146,10 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000) -> list[dict
 
 
 def render(rows: list[dict[str, float]]) -> str:
-    lines = [f"{'conc':>5} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} {'rpc->post p50/p99 us':>22} "
-             f"{'rpc->done p50/p99 us':>22}"]
+    lines = [f"{'conc':>5} {'batch':>5} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} "
+             f"{'rpc->post p50/p99 us':>22} {'rpc->done p50/p99 us':>22}"]
     for r in rows:
-        lines.append(f"{r['concurrency']:>5} {r['requests']:>6} {r['req_per_s']:>8.0f} "
+        lines.append(f"{r['concurrency']:>5} {r['batch']:>5} {r['requests']:>6} {r['req_per_s']:>8.0f} "
                      f"{r['client_p50_us']:>9.0f}/{r['client_p99_us']:<9.0f} "
                      f"{r['rpc_to_post_p50_us']:>11.0f}/{r['rpc_to_post_p99_us']:<10.0f} "
                      f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f}")

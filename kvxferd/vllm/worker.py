@@ -24,10 +24,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..client import Completion, DaemonError, EngineClient, MemoryHandle
+from ..client import Completion, DaemonError, EngineClient, MemoryHandle, Order
 from ..plan.geometry import Geometry
 from .handoff import HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
@@ -128,32 +127,43 @@ class WorkerSide:
             self._start(orders)
 
     def _start(self, orders: Orders) -> None:
+        """The step's holds and reads, in one round trip to the daemon."""
         now = time.monotonic()
+        ids: list[str] = []
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
-            self._call(hold.request_id, _hold_rpc(hold))
+            ids.append(hold.request_id)
         for read in orders.reads:
             if read.is_release:
                 self.releasing.add(read.request_id)
             else:
                 self.reading[read.request_id] = read
-            self._call(read.request_id, _read_rpc(read, self.read_deadline_s))
-
-    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> None:
-        if self.client is None:
-            if request_id in self.reading:
-                self._fail(request_id, "no kvxferd daemon connected")
-            self.releasing.discard(request_id)
+            ids.append(read.request_id)
+        if not ids:
             return
+        if self.client is None:
+            for request_id in ids:
+                self._refused(request_id, "no kvxferd daemon connected")
+            return
+        req = self.client.requests
+        msgs: list[Order] = [req.hold(h.request_id, h.lease_s, h.block_ids) for h in orders.holds]
+        msgs += [req.read(r.request_id, r.remote, r.num_tokens, r.local_blocks, r.remote_blocks, self.read_deadline_s)
+                 for r in orders.reads]
         try:
-            rpc(self.client)
-        except DaemonError as exc:  # refused: this request only
-            log.warning("kvxferd refused request %s: %s", request_id, exc)
-            if request_id in self.reading:
-                self._fail(request_id, str(exc))
-            self.releasing.discard(request_id)
+            outcomes = self.client.batch(msgs)
         except OSError as exc:
             self._lost(exc)
+            return
+        for request_id, error in zip(ids, outcomes):
+            if error is not None:  # refused: this request only
+                log.warning("kvxferd refused request %s: %s", request_id, error)
+                self._refused(request_id, str(error))
+
+    def _refused(self, request_id: str, reason: str) -> None:
+        """A hold stays for the worker to free after its lease; a read fails; a release is dropped."""
+        if request_id in self.reading:
+            self._fail(request_id, reason)
+        self.releasing.discard(request_id)
 
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
@@ -223,19 +233,6 @@ class WorkerSide:
             self.client = None
         for b in self.buffers:
             b.close()
-
-
-def _hold_rpc(order: HoldOrder) -> Callable[[EngineClient], None]:
-    def rpc(c: EngineClient) -> None:
-        c.hold(order.request_id, order.lease_s, order.block_ids)
-    return rpc
-
-
-def _read_rpc(order: ReadOrder, deadline_s: float) -> Callable[[EngineClient], None]:
-    def rpc(c: EngineClient) -> None:
-        c.read(order.request_id, order.remote, order.num_tokens, order.local_blocks, order.remote_blocks,
-               deadline_s)
-    return rpc
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
