@@ -29,6 +29,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # NIXL's own progress thread busy-polls (its Python API fixes the delay at 0) and takes a
     # core; off, the daemon's loop progresses NIXL every time it polls.
     nixl_progress_thread: bool = False
+    nixl_threads: int = 0  # UCX backend worker threads splitting each transfer (NIXL's num_threads)
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

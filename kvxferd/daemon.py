@@ -66,7 +66,8 @@ class Daemon:
         cfg = self.cfg
         for key, value in cfg.ucx.items():
             os.environ[key] = value
-        self.nixl = NixlDriver(cfg.name, tuple(cfg.backends), progress_thread=cfg.nixl_progress_thread)
+        self.nixl = NixlDriver(cfg.name, tuple(cfg.backends), progress_thread=cfg.nixl_progress_thread,
+                               threads=cfg.nixl_threads)
         self.zmq = zmq.asyncio.Context()
         self.curve = None
         if cfg.curve_secret_key_file:
@@ -170,10 +171,12 @@ class Daemon:
         except Exception as exc:
             log.warning("reading notifications failed: %s", exc)
             return
-        for messages in notifs.values():
+        arrived = False
+        for messages in notifs.values():  # NIXL keeps an entry, often empty, per known agent
             for m in messages:
                 self.holds.on_notification(m)
-        if notifs:
+                arrived = True
+        if arrived:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:

@@ -50,12 +50,14 @@ def nixl_api() -> ModuleType:
 
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
-                 telemetry: bool = True, progress_thread: bool = True) -> None:
+                 telemetry: bool = True, progress_thread: bool = True, threads: int = 0) -> None:
+        """`threads` > 0: the UCX backend's own worker threads, which split a transfer's
+        descriptors among them (NIXL's `num_threads`)."""
         api = nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
-                                   capture_telemetry=telemetry, backends=list(backends))
+                                   capture_telemetry=telemetry, backends=list(backends), num_threads=threads)
         self.agent = nixl_agent(self.name, config)
         self.telemetry = telemetry
 
