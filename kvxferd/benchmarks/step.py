@@ -1,8 +1,8 @@
 """`kvxferd bench step`: what the vLLM connector's worker costs an engine per scheduler step
 when nothing finishes, with requests pending (held blocks whose consumers have not come).
 
-Baseline, in the same run: a poll RPC to the daemon per step, which is what a worker that asks
-the daemon each step pays. The worker takes completions from its pump's queue instead.
+Baseline, in the same run: one bare poll RPC to the daemon. The worker polls the daemon once
+per step while anything is pending, so its cost is that round trip plus its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def run(steps: int = 5000, pending: int = 16) -> list[dict[str, float | str]]:
         worker.start(Orders([HoldOrder(f"r{i}", [[i]], 600.0) for i in range(pending)], []))
         rpc = EngineClient(daemon.socket, "engine", 0, 1)
         rows: list[dict[str, float | str]] = []
-        for name, call in (("poll RPC per step (baseline)", lambda: rpc.poll(0.0)),
-                           ("worker.results() (pump queue)", worker.results)):
+        for name, call in (("bare poll RPC (baseline)", lambda: rpc.poll(0.0)),
+                           ("worker.results()", worker.results)):
             _timed(call, steps // 10)  # warm up
             t = _timed(call, steps)
             rows.append({"per_step": name, "pending": pending, "steps": steps,

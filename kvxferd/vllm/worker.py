@@ -3,10 +3,8 @@
     register_kv_caches -> KV moved into shareable memory (shared_kv), described (layout),
                           registered with the daemon (fds over the Unix socket)
     each step:  orders from the scheduler -> hold / read / release RPCs
-                completions the pump brought -> finished sending / receiving,
+                poll (only while something is pending) -> finished sending / receiving,
                 failed reads' block ids -> vLLM's kv_load_failure_policy
-    pump:       a second connection long-polls the daemon in a thread, so a step takes
-                completions from a queue and never waits for a round trip to the daemon
 
 The daemon can restart under a running engine. A watcher thread notices (the socket reads
 EOF) even while the engine is idle: reads in flight end failed (vLLM recomputes or fails
@@ -23,10 +21,10 @@ import select
 import socket
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..client import Completion, DaemonError, EngineClient, MemoryHandle, Order
+from ..client import DaemonError, EngineClient, MemoryHandle
 from ..plan.geometry import Geometry
 from .handoff import HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
@@ -35,7 +33,6 @@ log = logging.getLogger("kvxferd.vllm")
 
 RECONNECT_INTERVAL_S = 1.0
 ORPHAN_GRACE_S = 5.0  # past its lease, a connected daemon's "expired" should have come
-PUMP_WAIT_S = 1.0  # one long poll; a completion ends it at once
 
 
 @dataclass
@@ -61,7 +58,6 @@ class WorkerSide:
         self.finished = Finished()
         self.lock = threading.Lock()
         self.closed = threading.Event()
-        self.pump: CompletionPump | None = None
 
     # --- connection --------------------------------------------------------------
     def register(self, geometry: Geometry, buffers: list[SharedBuffer], timeout_s: float) -> None:
@@ -74,7 +70,6 @@ class WorkerSide:
                                    "(start `kvxferd serve --socket ...` beside this engine)")
             time.sleep(0.5)
         threading.Thread(target=self._watch, name="kvxferd-watch", daemon=True).start()
-        self.pump = CompletionPump(self.socket_path, self.engine_id, self.rank, self.tp_size, self.closed)
 
     def _connect(self) -> bool:
         assert self.geometry is not None
@@ -127,74 +122,72 @@ class WorkerSide:
             self._start(orders)
 
     def _start(self, orders: Orders) -> None:
-        """The step's holds and reads, in one round trip to the daemon."""
         now = time.monotonic()
-        ids: list[str] = []
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
-            ids.append(hold.request_id)
+            self._call(hold.request_id, _hold_rpc(hold))
         for read in orders.reads:
             if read.is_release:
                 self.releasing.add(read.request_id)
             else:
                 self.reading[read.request_id] = read
-            ids.append(read.request_id)
-        if not ids:
-            return
+            self._call(read.request_id, _read_rpc(read, self.read_deadline_s))
+
+    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> None:
         if self.client is None:
-            for request_id in ids:
-                self._refused(request_id, "no kvxferd daemon connected")
+            if request_id in self.reading:
+                self._fail(request_id, "no kvxferd daemon connected")
+            self.releasing.discard(request_id)
             return
-        req = self.client.requests
-        msgs: list[Order] = [req.hold(h.request_id, h.lease_s, h.block_ids) for h in orders.holds]
-        msgs += [req.read(r.request_id, r.remote, r.num_tokens, r.local_blocks, r.remote_blocks, self.read_deadline_s)
-                 for r in orders.reads]
         try:
-            outcomes = self.client.batch(msgs)
+            rpc(self.client)
+        except DaemonError as exc:  # refused: this request only
+            log.warning("kvxferd refused request %s: %s", request_id, exc)
+            if request_id in self.reading:
+                self._fail(request_id, str(exc))
+            self.releasing.discard(request_id)
         except OSError as exc:
             self._lost(exc)
-            return
-        for request_id, error in zip(ids, outcomes):
-            if error is not None:  # refused: this request only
-                log.warning("kvxferd refused request %s: %s", request_id, error)
-                self._refused(request_id, str(error))
-
-    def _refused(self, request_id: str, reason: str) -> None:
-        """A hold stays for the worker to free after its lease; a read fails; a release is dropped."""
-        if request_id in self.reading:
-            self._fail(request_id, reason)
-        self.releasing.discard(request_id)
 
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
-        """Finished transfers since the last step: what the pump brought, no call to the daemon."""
+        """Finished transfers since the last step. Polls the daemon only while something is pending."""
         with self.lock:
-            if self.pump is not None:
-                arrived = self.pump.arrived
-                while arrived:
-                    self._complete(arrived.popleft())
+            if self.reading or self.releasing or self.holds:
+                self._poll()
             self._expire_orphaned_holds()
             finished, self.finished = self.finished, Finished()
             return finished
 
-    def _complete(self, c: Completion) -> None:
-        if c.status in ("sent", "expired"):
-            if self.holds.pop(c.request_id, None) is not None:
-                self.finished.sending.add(c.request_id)
-                if c.status == "expired":
-                    log.warning("kvxferd: request %s's lease passed before its consumers read it: %s",
-                                c.request_id, c.reason)
-        elif c.request_id in self.releasing:
-            self.releasing.discard(c.request_id)
-            if c.status == "failed":
-                log.warning("kvxferd: release of %s failed (the prefill lease frees it): %s", c.request_id,
-                            c.reason)
-        elif c.request_id in self.reading:
-            if c.status == "received":
-                del self.reading[c.request_id]
-                self.finished.recving.add(c.request_id)
-            else:
-                self._fail(c.request_id, c.reason)
+    def _poll(self) -> None:
+        if self.client is None:
+            return
+        try:
+            completions = self.client.poll(0.0)
+        except OSError as exc:
+            self._lost(exc)
+            return
+        except DaemonError as exc:
+            log.warning("kvxferd poll refused: %s", exc)
+            return
+        for c in completions:
+            if c.status in ("sent", "expired"):
+                if self.holds.pop(c.request_id, None) is not None:
+                    self.finished.sending.add(c.request_id)
+                    if c.status == "expired":
+                        log.warning("kvxferd: request %s's lease passed before its consumers read it: %s",
+                                    c.request_id, c.reason)
+            elif c.request_id in self.releasing:
+                self.releasing.discard(c.request_id)
+                if c.status == "failed":
+                    log.warning("kvxferd: release of %s failed (the prefill lease frees it): %s", c.request_id,
+                                c.reason)
+            elif c.request_id in self.reading:
+                if c.status == "received":
+                    del self.reading[c.request_id]
+                    self.finished.recving.add(c.request_id)
+                else:
+                    self._fail(c.request_id, c.reason)
 
     def _fail(self, request_id: str, reason: str) -> None:
         read = self.reading.pop(request_id)
@@ -218,8 +211,6 @@ class WorkerSide:
 
     def close(self) -> None:
         self.closed.set()
-        if self.pump is not None:
-            self.pump.close()
         with self.lock:
             self._close()
 
@@ -235,6 +226,19 @@ class WorkerSide:
             b.close()
 
 
+def _hold_rpc(order: HoldOrder) -> Callable[[EngineClient], None]:
+    def rpc(c: EngineClient) -> None:
+        c.hold(order.request_id, order.lease_s, order.block_ids)
+    return rpc
+
+
+def _read_rpc(order: ReadOrder, deadline_s: float) -> Callable[[EngineClient], None]:
+    def rpc(c: EngineClient) -> None:
+        c.read(order.request_id, order.remote, order.num_tokens, order.local_blocks, order.remote_blocks,
+               deadline_s)
+    return rpc
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
     """EOF waiting on a socket the daemon never writes to unasked (called between calls)."""
     try:
@@ -244,45 +248,3 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-class CompletionPump:
-    """This rank's completions, long-polled on a connection of their own by a thread.
-
-    `arrived` is filled here and emptied by the engine's steps (deque appends and pops are
-    atomic). A daemon that goes away ends the long poll; the pump dials again every second and
-    polls once the watcher has registered the rank again (until then the daemon answers
-    `unknown_engine`).
-    """
-
-    def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, closed: threading.Event) -> None:
-        self.socket_path, self.engine_id, self.rank, self.tp_size = socket_path, engine_id, rank, tp_size
-        self.closed = closed
-        self.arrived: deque[Completion] = deque()
-        self.client: EngineClient | None = None
-        threading.Thread(target=self._run, name="kvxferd-pump", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self.closed.is_set():
-            try:
-                if self.client is None:
-                    self.client = EngineClient(self.socket_path, self.engine_id, self.rank, self.tp_size)
-                self.arrived.extend(self.client.poll(PUMP_WAIT_S))
-            except DaemonError:  # not registered (again) yet
-                self.closed.wait(0.05)
-            except OSError:
-                if self.client is not None:
-                    self.client.close()
-                self.client = None
-                self.closed.wait(RECONNECT_INTERVAL_S)
-        if self.client is not None:
-            self.client.close()
-
-    def close(self) -> None:
-        """Wake a long poll in progress (the thread then sees `closed` and ends)."""
-        client = self.client
-        if client is not None:
-            try:
-                client.rpc.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
