@@ -117,6 +117,12 @@ class Transfer:
                 running.append(h)
         self.handles = running
 
+    def release_all(self, nixl: NixlDriver) -> None:
+        """Release every handle: all DONE, as `poll` just saw (no second state query)."""
+        for h in self.handles:
+            nixl.release(h)
+        self.handles = []
+
     def transfer_seconds(self, nixl: NixlDriver, recorder: Recorder) -> float:
         """NIXL's own time for the slowest READ (0 without telemetry), recorded per handle."""
         slowest = 0.0
@@ -288,7 +294,7 @@ class Reads:
             if t.nbytes >= 1 << 20 and took > 0:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
-            t.release_ended(self._nixl)
+            t.release_all(self._nixl)
             self._finish(t)
         elif now >= t.deadline:
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")

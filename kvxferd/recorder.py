@@ -22,7 +22,6 @@ RECENT_S = 10  # the status reply's throughput window
 PEER_LABELS = 64  # distinct `peer` label values in Prometheus; later peers count as "other"
 
 FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "internal"]
-ReadOutcome = Literal["received", "failed"]
 HoldOutcome = Literal["sent", "expired", "dropped"]
 NotificationKind = Literal["consumer", "early", "unknown", "malformed"]
 RpcOutcome = Literal["ok", "error"]
