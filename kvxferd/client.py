@@ -166,17 +166,20 @@ class Requests:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
-                 fds: Sequence[int] = ()) -> tuple[P.Register, list[int]]:
+                 fds: Sequence[int] = (), doorbell: int | None = None) -> tuple[P.Register, list[int]]:
         """The registration and the fds that travel with it.
 
         Host memory: `shm_fds`, one memfd per geometry buffer (sizes from the geometry). GPU
         memory: `memory` handles (cuda_vmm with their fds in `fds`, in order; or cuda_ipc).
+        `doorbell` (protocol 3): an eventfd the daemon rings when completions wait; sent last.
         """
         if shm_fds:
             handles, sent = [P.MemoryHandle("shm", size) for size in geometry.buffers], list(shm_fds)
         else:
             handles, sent = list(memory), list(fds)
-        return P.Register(self.engine_id, self.rank, self.tp_size, geometry, handles), sent
+        if doorbell is not None:
+            sent.append(doorbell)
+        return P.Register(self.engine_id, self.rank, self.tp_size, geometry, handles, doorbell is not None), sent
 
     def unregister(self) -> P.Unregister:
         return P.Unregister(self.engine_id, self.rank)
@@ -212,13 +215,39 @@ class EngineClient:
         self.requests = Requests(engine_id, rank, tp_size)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
+        self.doorbell: int | None = None  # eventfd the daemon rings when completions wait
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
-                 fds: Sequence[int] = ()) -> str:
-        """Hand the daemon this rank's KV memory; returns the side channel peers should dial."""
-        msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
-        self.side_channel = self.rpc.call(msg, P.Registered, sent).side_channel
+                 fds: Sequence[int] = (), doorbell: bool = False) -> str:
+        """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
+
+        `doorbell`: ask the daemon (protocol 3 and later) to ring an eventfd when completions
+        wait, so that `rung()` tells without a round trip whether a poll would find anything.
+        """
+        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if doorbell and self.rpc.version >= 3 else None
+        msg, sent = self.requests.register(geometry, shm_fds, memory, fds, bell)
+        try:
+            reply = self.rpc.call(msg, P.Registered, sent)
+        except BaseException:
+            if bell is not None:
+                os.close(bell)
+            raise
+        if bell is not None and not reply.doorbell:
+            os.close(bell)
+            bell = None
+        self.doorbell, self.side_channel = bell, reply.side_channel
         return self.side_channel
+
+    def rung(self) -> bool:
+        """True when a poll may find completions: the daemon rang since the last call, or this
+        connection has no doorbell (then every poll may). One non-blocking read, no round trip."""
+        if self.doorbell is None:
+            return True
+        try:
+            os.eventfd_read(self.doorbell)
+        except BlockingIOError:
+            return False
+        return True
 
     def unregister(self) -> None:
         self.rpc.call(self.requests.unregister(), P.Ok)
@@ -255,6 +284,9 @@ class EngineClient:
 
     def close(self) -> None:
         self.rpc.close()
+        if self.doorbell is not None:
+            os.close(self.doorbell)
+            self.doorbell = None
 
     def __enter__(self) -> EngineClient:
         return self

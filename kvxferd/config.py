@@ -6,7 +6,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -30,6 +30,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # core; off, the daemon's loop progresses NIXL every time it polls.
     nixl_progress_thread: bool = False
     nixl_threads: int = 0  # UCX backend worker threads splitting each transfer (NIXL's num_threads)
+    # Posting lanes (lanes.py): a read of at least 2 x lane_split_bytes is split across up to
+    # `lanes` extra NIXL agents, each posting its slice from its own thread. 0: no lanes.
+    lanes: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
+    lane_split_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 8 << 20
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

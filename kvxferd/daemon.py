@@ -32,6 +32,7 @@ from . import protocol as P
 from .config import Config
 from .engines import EngineRank, Engines
 from .holds import Holds
+from .lanes import Lanes
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
 from .pace import SPIN, Pace
@@ -74,10 +75,11 @@ class Daemon:
             self.curve = hs.load_curve(cfg.curve_secret_key_file,
                                        cfg.curve_authorized_keys_dir or os.path.dirname(cfg.curve_secret_key_file),
                                        cfg.curve_server_key_file)
-        self.engines = Engines(self.nixl, self.recorder)
+        self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
+        self.engines = Engines(self.nixl, self.recorder, self.lanes)
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s)
-        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve)
-        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self._wake.set)
+        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes)
+        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
                                             self._answer_handshake, self.curve)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
@@ -135,6 +137,7 @@ class Daemon:
             if not self.reads.uses_engine(er):  # memory NIXL may still write stays mapped until exit
                 self.engines.release(er)
         self.zmq.term()
+        self.lanes.close()
         log.info("kvxferd stopped")
 
     async def _watchdog(self) -> None:
@@ -261,9 +264,10 @@ class Daemon:
                     raise RequestError("version", f"protocol version {version} unsupported; "
                                                   f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
-            case P.Register(memory=memory):
-                self.engines.register(msg, conn.reader.take_fds(sum(1 for m in memory if m.has_fd)), conn)
-                return P.Registered(self.cfg.side_channel, self.nixl.name)
+            case P.Register(memory=memory, doorbell=doorbell):
+                fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + doorbell)
+                self.engines.register(msg, fds, conn)
+                return P.Registered(self.cfg.side_channel, self.nixl.name, doorbell)
             case P.Unregister(engine_id=engine_id, tp_rank=rank):
                 self._unregister(self._rank(engine_id, rank), "unregistered")
                 return P.Ok()

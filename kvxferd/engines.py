@@ -20,6 +20,7 @@ import numpy as np
 
 from . import handshake as hs
 from . import protocol as P
+from .lanes import LaneRegistrations, Lanes
 from .memory import Mapping, MappingError, MemType, map_cuda, map_cuda_vmm, map_shm
 from .nixl_driver import NixlDriver, Registration
 from .plan.descriptors import region_addresses
@@ -48,6 +49,9 @@ class EngineRank:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False
     release_after: float = 0.0  # prefill memory: the latest lease a reader may still be using
+    lane_registrations: LaneRegistrations = field(default_factory=list)  # the same memory, on each lane
+    doorbell: int | None = None  # the engine's eventfd, rung when completions wait (protocol 3)
+    rung: bool = False  # rung since the engine last took completions: ring once per batch
 
     @property
     def key(self) -> EngineKey:
@@ -70,12 +74,34 @@ class EngineRank:
         if not self.closing:
             self.completions.append(c)
             self.wakeup.set()
+            if not self.rung:
+                self._ring()
 
     def take_completions(self, max_items: int) -> P.Completions:
         items: list[P.Completion] = []
         while self.completions and len(items) < max_items:
             items.append(self.completions.popleft())
+        self.rung = False
+        if self.completions:  # more than one poll's worth: ring again for the rest
+            self._ring()
         return P.Completions(items)
+
+    def _ring(self) -> None:
+        """Tell an engine that polls only when rung that completions wait (one write per batch)."""
+        if self.doorbell is None:
+            return
+        self.rung = True
+        try:
+            os.eventfd_write(self.doorbell, 1)
+        except OSError as exc:  # cannot happen for a valid eventfd short of 2^64 - 1 rings
+            log.warning("engine %s rank %d: doorbell failed (%s); it polls without it", self.engine_id,
+                        self.tp_rank, exc)
+            self.close_doorbell()
+
+    def close_doorbell(self) -> None:
+        if self.doorbell is not None:
+            os.close(self.doorbell)
+            self.doorbell = None
 
     def rank_info(self) -> hs.RankInfo:
         """What a peer's handshake learns about this rank."""
@@ -86,8 +112,9 @@ class EngineRank:
 class Engines:
     """Owns every registered rank: its mappings and NIXL registrations from register to release."""
 
-    def __init__(self, nixl: NixlDriver, recorder: Recorder) -> None:
+    def __init__(self, nixl: NixlDriver, recorder: Recorder, lanes: Lanes | None = None) -> None:
         self._nixl = nixl
+        self._lanes = lanes
         self._recorder = recorder
         self._ranks: dict[EngineKey, EngineRank] = {}
         self.ranks = MappingProxyType(self._ranks)  # read only: the dispatch's lookup
@@ -118,6 +145,7 @@ class Engines:
                     mappings.append(map_cuda_vmm(pending.popleft(), m.nbytes, m.device))
                 else:
                     mappings.append(map_cuda(m.cuda_handle, m.nbytes))
+            doorbell = _eventfd(pending.popleft()) if msg.doorbell else None
         except MappingError as exc:
             for mp in mappings:
                 mp.close()
@@ -129,15 +157,20 @@ class Engines:
         try:
             for mp in mappings:
                 regs.append(self._nixl.register(mp.address, mp.nbytes, mp.kind, mp.device))
+            lane_regs = self._lanes.register([(mp.address, mp.nbytes, mp.kind, mp.device) for mp in mappings]) \
+                if self._lanes is not None else []
         except Exception as exc:
             for reg in regs:
                 self._nixl.deregister(reg)
             for mp in mappings:
                 mp.close()
+            if doorbell is not None:
+                os.close(doorbell)
             raise RequestError("unsupported", f"NIXL cannot register this engine's {mappings[0].kind} memory "
                                               f"({msg.memory[0].kind}): {exc}") from None
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
-                        region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn)
+                        region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn,
+                        doorbell=doorbell, lane_registrations=lane_regs)
         self._ranks[er.key] = er
         self._changed()
         log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
@@ -167,6 +200,7 @@ class Engines:
         if er.closing:
             return False
         er.closing = True
+        er.close_doorbell()  # a closing rank queues no completion
         self._changed()
         log.info("engine %s rank %d: %s; memory released when idle", er.engine_id, er.tp_rank, why)
         return True
@@ -182,9 +216,11 @@ class Engines:
             del self._ranks[er.key]
         for reg in er.registrations:
             self._nixl.deregister(reg)
+        if self._lanes is not None:
+            self._lanes.deregister(er.lane_registrations)
         for mp in er.mappings:
             mp.close()
-        er.registrations, er.mappings = [], []
+        er.registrations, er.mappings, er.lane_registrations = [], [], []
         self._changed()
 
     def _changed(self) -> None:
@@ -197,3 +233,15 @@ class Engines:
                                e.mappings[0].kind if e.mappings else "-", "closing" if e.closing else "serving",
                                pinned(e), len(e.completions)) for e in self._ranks.values()]
 
+
+
+def _eventfd(fd: int) -> int:
+    """The registration's doorbell fd, refused (and closed) unless it is an eventfd."""
+    try:
+        kind = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        kind = "unknown"
+    if kind != "anon_inode:[eventfd]":
+        os.close(fd)
+        raise MappingError(f"doorbell: the last fd must be an eventfd, got {kind}")
+    return fd

@@ -5,11 +5,16 @@
 
 A consumer may finish before the engine's hold arrives; its notification waits (at most the
 longest lease) for the hold it belongs to.
+
+Housekeeping costs what expires, not what is held: leases sit in a heap by deadline (a renewal
+pushes a new entry, the stale one is skipped when it surfaces), and holds and early
+notifications are dicts in arrival order, so the oldest is the first.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -60,8 +65,10 @@ class Holds:
         self._nixl = nixl
         self._recorder = recorder
         self._max_lease_s = max_lease_s
-        self._held: dict[HoldKey, Held] = {}
-        self._early: dict[HoldKey, Early] = {}
+        self._held: dict[HoldKey, Held] = {}  # in arrival order: the first is the oldest
+        self._leases: list[tuple[float, int, Held]] = []  # heap of (deadline, tie-break, hold)
+        self._seq = itertools.count()
+        self._early: dict[HoldKey, Early] = {}  # in arrival order
 
     @property
     def held(self) -> int:
@@ -82,6 +89,8 @@ class Holds:
             self._end_if_consumed(held)
         else:
             held.deadline = now + msg.lease_s
+        if self._held.get(key) is held:
+            heapq.heappush(self._leases, (held.deadline, next(self._seq), held))
         self._recorder.holds_now(len(self._held))
 
     def on_notification(self, data: bytes) -> None:
@@ -116,7 +125,10 @@ class Holds:
 
     def expire(self, now: float) -> None:
         """End holds whose lease passed; forget early notifications older than any lease."""
-        for held in [h for h in self._held.values() if now >= h.deadline]:
+        while self._leases and self._leases[0][0] <= now:
+            deadline, _, held = heapq.heappop(self._leases)
+            if self._held.get(held.key) is not held or held.deadline != deadline:
+                continue  # ended already, or renewed (its newer entry is still in the heap)
             del self._held[held.key]
             self._recorder.hold_ended("expired")
             log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d", held.engine.engine_id,
@@ -125,11 +137,17 @@ class Holds:
                 held.request_id, "expired", held.block_ids,
                 reason=f"lease passed with {held.count} of {held.expected or '?'} consumers",
                 seconds=now - held.since))
-        for key, early in list(self._early.items()):
-            if now - early.first > self._max_lease_s:
-                del self._early[key]
-                self._recorder.early_notifications_dropped(early.count)
-        self._recorder.holds_now(len(self._held), max((now - h.since for h in self._held.values()), default=0))
+        while self._early:
+            key, early = next(iter(self._early.items()))
+            if now - early.first <= self._max_lease_s:
+                break
+            del self._early[key]
+            self._recorder.early_notifications_dropped(early.count)
+        oldest = next(iter(self._held.values()), None)
+        self._recorder.holds_now(len(self._held), now - oldest.since if oldest else 0)
+        if len(self._leases) > 2 * len(self._held) + 64:  # renewals left many stale entries
+            self._leases = [e for e in self._leases if self._held.get(e[2].key) is e[2] and e[2].deadline == e[0]]
+            heapq.heapify(self._leases)
 
     def drop_engine(self, er: EngineKey) -> float:
         """Forget a leaving engine's holds; returns when the last lease ends (readers may still pull)."""
@@ -159,4 +177,4 @@ class Holds:
         """The `limit` oldest holds."""
         return [P.HoldStatus(h.engine.engine_id, h.engine.tp_rank, h.request_id,
                              f"{h.count}/{h.expected or '?'}", now - h.since, h.deadline - now)
-                for h in heapq.nsmallest(limit, self._held.values(), key=lambda h: h.since)]
+                for h in itertools.islice(self._held.values(), limit)]

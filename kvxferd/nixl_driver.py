@@ -50,14 +50,18 @@ def nixl_api() -> ModuleType:
 
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
-                 telemetry: bool = True, progress_thread: bool = True, threads: int = 0) -> None:
+                 telemetry: bool = True, progress_thread: bool = True, threads: int = 0,
+                 shared: bool = False) -> None:
         """`threads` > 0: the UCX backend's own worker threads, which split a transfer's
-        descriptors among them (NIXL's `num_threads`)."""
+        descriptors among them (NIXL's `num_threads`). `shared`: more than one thread calls
+        this agent (NIXL serializes its calls; see lanes.py)."""
         api = nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
-                                   capture_telemetry=telemetry, backends=list(backends), num_threads=threads)
+                                   capture_telemetry=telemetry, backends=list(backends), num_threads=threads,
+                                   sync_mode=sync)
         self.agent = nixl_agent(self.name, config)
         self.telemetry = telemetry
 
@@ -100,6 +104,21 @@ class NixlDriver:
             handle = self.agent.make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids, notif)
             state = self.agent.transfer(handle)
         except Exception as exc:  # nixl raises its own typed exceptions
+            raise TransferError(f"posting READ failed: {exc}") from exc
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransferError("posting READ failed: NIXL returned ERR")
+        return XferHandle(handle)
+
+    def read_rows(self, local: npt.NDArray[np.int64], local_mem: MemType, remote: npt.NDArray[np.int64],
+                  remote_mem: MemType, peer: str) -> XferHandle:
+        """Post a READ of explicit (N, 3) [addr, len, dev] rows, without prepared lists; no
+        notification. Raises TransferError if NIXL refuses it."""
+        try:
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_mem),
+                                                self.agent.get_xfer_descs(remote, remote_mem), peer)
+            state = self.agent.transfer(handle)
+        except Exception as exc:
             raise TransferError(f"posting READ failed: {exc}") from exc
         if state == "ERR":
             self.agent.release_xfer_handle(handle)

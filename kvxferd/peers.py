@@ -17,11 +17,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq.asyncio
 
 from . import handshake as hs
 from . import protocol as P
 from .engines import EngineKey, EngineRank
+from .lanes import Lanes
+from .memory import MemType
 from .nixl_driver import NixlDriver, PreparedList
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
@@ -67,10 +70,14 @@ class Peer:
 
 @dataclass(frozen=True)
 class Link:
-    """Prepared descriptor lists for one local rank reading one remote rank."""
+    """Prepared descriptor lists for one local rank reading one remote rank, and where the
+    remote rank's regions are (posting lanes compute a slice's rows from them)."""
 
     local: PreparedList
     remote: PreparedList
+    remote_region_addr: np.ndarray
+    remote_mem: MemType
+    remote_device: int
 
 
 @dataclass(eq=False)
@@ -91,9 +98,10 @@ class Route:
 
 class Peers:
     def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
-                 curve: hs.CurveKeys | None) -> None:
+                 curve: hs.CurveKeys | None, lanes: Lanes) -> None:
         self._ctx = ctx
         self._nixl = nixl
+        self._lanes = lanes
         self._recorder = recorder
         self._timeout_s = timeout_s
         self._curve = curve
@@ -137,6 +145,7 @@ class Peers:
             for r in ranks.values():
                 validate(r.geometry)
             peer.agent = self._nixl.add_peer(reply.metadata)
+            self._lanes.add_peer(peer.agent, reply.metadata)
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
             self._recorder.peers_now(len(self._peers))
@@ -172,14 +181,14 @@ class Peers:
                 info = peer.ranks[rank]
                 t0 = time.perf_counter()
                 local = self._nixl.prep_local(local_descs(pp, er.region_addr, er.device), er.mem_type)
+                remote_addr = region_addresses(info.geometry, info.buffer_addrs)
                 try:
-                    remote = self._nixl.prep_remote(
-                        peer.agent, remote_descs(pp, region_addresses(info.geometry, info.buffer_addrs), info.device),
-                        info.mem_type)
+                    remote = self._nixl.prep_remote(peer.agent, remote_descs(pp, remote_addr, info.device),
+                                                    info.mem_type)
                 except Exception:
                     self._nixl.release_dlist(local)
                     raise
-                links[rank] = Link(local, remote)
+                links[rank] = Link(local, remote, remote_addr, info.mem_type, info.device)
                 log.info("prepared %d local / %d remote descriptors for engine %s rank %d <- %s rank %d in %.1f ms",
                          pp.num_local_descs, pp.num_remote_descs, er.engine_id, er.tp_rank, peer.engine_id, rank,
                          (time.perf_counter() - t0) * 1e3)
@@ -241,6 +250,7 @@ class Peers:
                 self._nixl.remove_peer(peer.agent)
             except Exception as exc:
                 log.warning("removing agent %s: %s", peer.agent, exc)
+            self._lanes.remove_peer(peer.agent)
 
     def status(self, active: Callable[[Peer], int]) -> list[P.PeerStatus]:
         wall = time.time()

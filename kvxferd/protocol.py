@@ -1,4 +1,4 @@
-"""Engine <-> daemon protocol (version 1): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (version 3): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """
@@ -12,8 +12,8 @@ from msgspec import Meta
 
 from .plan.geometry import Geometry
 
-PROTOCOL_VERSION = 2  # 2 added `batch`; the daemon still serves version 1 clients
-SUPPORTED_VERSIONS = (1, 2)
+PROTOCOL_VERSION = 3  # 2 added `batch`, 3 the completion doorbell; older clients are still served
+SUPPORTED_VERSIONS = (1, 2, 3)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -65,6 +65,7 @@ class Register(Msg, tag="register"):
     tp_size: TpSize
     geometry: Geometry
     memory: list[MemoryHandle]  # one per geometry buffer, shm fds in the same order
+    doorbell: bool = False  # protocol 3: one more fd, last: an eventfd rung when completions are queued
 
 
 class Unregister(Msg, tag="unregister"):
@@ -138,6 +139,7 @@ class Welcome(Msg, tag="welcome"):
 class Registered(Msg, tag="registered"):
     side_channel: str  # host:port that peers handshake with
     agent: str
+    doorbell: bool = False  # the daemon rings the engine's eventfd (protocol 3)
 
 
 class Ok(Msg, tag="ok"):
@@ -201,6 +203,7 @@ class Recent(msgspec.Struct):
 class Counters(msgspec.Struct):
     received: int = 0
     failed: int = 0
+    split_reads: int = 0  # reads split across posting lanes
     sent: int = 0
     expired: int = 0
     unknown_notifs: int = 0

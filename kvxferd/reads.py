@@ -4,7 +4,10 @@
              rank read from, a notification alone to the others -> polled until every READ is
              DONE -> "received";  an error or the deadline -> "failed" + the local block ids
 
-Every NIXL call happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
+A read large enough is split across posting lanes (lanes.py): its slices are posted from the
+lanes' threads, and its consumers are notified once every slice is DONE.
+
+Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
 deadline is reported failed and its handles are quarantined, polled until they end, and the
 engine memory they touch stays mapped and registered until then. A transfer uses its engine
 rank and its route for as long as it is in flight or quarantined; nothing counts that by hand,
@@ -26,9 +29,10 @@ import numpy as np
 from . import handshake as hs
 from . import protocol as P
 from .engines import EngineRank
+from .lanes import Lanes, SliceRead
 from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
-from .peers import Peer, Peers, Route
-from .plan.descriptors import RequestBlocks, request_indices
+from .peers import Link, Peer, Peers, Route
+from .plan.descriptors import RequestBlocks, local_rows, remote_rows, request_indices
 from .plan.geometry import GeometryError
 from .plan.planner import PeerPlan, PlanError
 from .protocol import RequestError
@@ -56,6 +60,8 @@ class Transfer:
     deadline: float
     route: Route | None = None
     handles: list[XferHandle] = field(default_factory=list)
+    slices: list[SliceRead] = field(default_factory=list)  # a split read's slices, on lanes
+    notify_after: list[bytes] = field(default_factory=list)  # a split read's notifications, sent once DONE
     posted_at: float = 0.0  # monotonic
     nbytes: int = 0
     descriptors: int = 0
@@ -69,8 +75,14 @@ class Transfer:
     def peer_label(self) -> str:
         return self.msg.remote.engine_id
 
-    def post(self, route: Route, nixl: NixlDriver) -> int:
-        """Post a READ per remote rank this request reads, notify the rest; returns notifications.
+    @property
+    def running(self) -> bool:
+        """Something NIXL moves for this read may still be running."""
+        return bool(self.handles or self.slices)
+
+    def post(self, route: Route, nixl: NixlDriver, lanes: Lanes) -> int:
+        """Post a READ per remote rank this request reads (split across lanes when large),
+        notify the rest; returns notifications.
 
         Raises StaleRoute when NIXL refused the first READ (nothing posted), TransferError when
         it refused a later one (some READs are running).
@@ -79,29 +91,44 @@ class Transfer:
         plan = route.plan
         reads = request_indices(plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
                                                        self.msg.remote_blocks))
+        nbytes = {rank: _bytes_read(plan.peers[rank], lids) for rank, (lids, _) in reads.items()}
+        split = lanes.slices(sum(nbytes.values()))
         ref = self.msg.remote
         expected = route.expected
         try:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
                 notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
-                self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
-                self.nbytes += _bytes_read(plan.peers[rank], lids)
+                if split:
+                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, lanes, split)
+                    self.notify_after.append(notif)
+                else:
+                    self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
+                self.nbytes += nbytes[rank]
                 self.descriptors += len(lids)
             for rank in plan.targets:
                 if rank not in reads:
                     nixl.notify(route.agent, _encode(hs.Notification(ref.engine_id, rank, ref.request_id,
                                                                           expected)))
         except TransferError as exc:
-            if not self.handles:
+            if not self.running:
                 raise StaleRoute(str(exc)) from exc
             raise
         self.posted_at = time.monotonic()
         return len(plan.targets)
 
+    def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str, lanes: Lanes,
+                     k: int) -> None:
+        """One remote rank's descriptor pairs in `k` contiguous slices, slice i on lane i."""
+        er = self.engine
+        for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
+            rows_l = local_rows(pp, local, er.region_addr, er.device)
+            rows_r = remote_rows(pp, remote, link.remote_region_addr, link.remote_device)
+            self.slices.append(SliceRead(lane, lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent)))
+
     def poll(self, nixl: NixlDriver) -> bool:
         """True once every READ is DONE; TransferError when NIXL reports one failed."""
-        return all(nixl.state(h) == DONE for h in self.handles)
+        return all(nixl.state(h) == DONE for h in self.handles) and all(s.ended() for s in self.slices)
 
     def release_ended(self, nixl: NixlDriver) -> None:
         """Release the handles NIXL reports ended (done or failed); keep the ones still running."""
@@ -116,12 +143,27 @@ class Transfer:
             else:
                 running.append(h)
         self.handles = running
+        self.slices = [s for s in self.slices if not s.release()]
 
     def release_all(self, nixl: NixlDriver) -> None:
         """Release every handle: all DONE, as `poll` just saw (no second state query)."""
         for h in self.handles:
             nixl.release(h)
         self.handles = []
+        for s in self.slices:
+            s.release()
+        self.slices = []
+
+    def notify_consumers(self, nixl: NixlDriver) -> None:
+        """A split read is DONE: tell its consumers, as a whole READ's own notification would."""
+        assert self.route is not None
+        for notif in self.notify_after:
+            try:
+                nixl.notify(self.route.agent, notif)
+            except TransferError as exc:  # the bytes are here; the prefill side's lease frees its blocks
+                log.warning("read %s arrived, but notifying %s failed: %s", self.msg.request_id,
+                            self.route.peer.engine_id, exc)
+        self.notify_after = []
 
     def transfer_seconds(self, nixl: NixlDriver, recorder: Recorder) -> float:
         """NIXL's own time for the slowest READ (0 without telemetry), recorded per handle."""
@@ -142,8 +184,9 @@ def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
 
 class Reads:
     def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
-                 on_posted: Callable[[], None] = lambda: None) -> None:
+                 lanes: Lanes, on_posted: Callable[[], None] = lambda: None) -> None:
         self._nixl = nixl
+        self._lanes = lanes
         self._peers = peers
         self._routes = peers.routes  # read only: the fast path's lookup
         self._recorder = recorder
@@ -205,9 +248,10 @@ class Reads:
         if t.engine.closing:  # unregistered while the handshake ran: nothing to post, the peer is fine
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
-        notifications = t.post(route, self._nixl)
-        self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at)
-        if t.handles:
+        notifications = t.post(route, self._nixl, self._lanes)
+        self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
+                                   len(t.slices))
+        if t.running:
             self._on_posted()
         else:
             self._finish(t)
@@ -254,7 +298,7 @@ class Reads:
     def _end(self, t: Transfer) -> None:
         """Out of flight; READs NIXL still runs keep the transfer (and its memory) in quarantine."""
         self._in_flight.pop(t.key, None)
-        if t.handles:
+        if t.running:
             self._quarantine.append(t)
         self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
@@ -272,11 +316,11 @@ class Reads:
     # --- polling --------------------------------------------------------------
     def poll(self, now: float) -> None:
         """Check posted reads and quarantined handles once."""
-        for t in [t for t in self._in_flight.values() if t.handles]:
+        for t in [t for t in self._in_flight.values() if t.running]:
             self._check(t, now)
         for t in list(self._quarantine):
             t.release_ended(self._nixl)
-            if not t.handles:
+            if not t.running:
                 self._quarantine.remove(t)
                 self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
@@ -295,6 +339,7 @@ class Reads:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
             t.release_all(self._nixl)
+            t.notify_consumers(self._nixl)
             self._finish(t)
         elif now >= t.deadline:
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")
@@ -317,7 +362,7 @@ class Reads:
         """
         wait = interval_s
         for t in self._in_flight.values():
-            if not t.handles:
+            if not t.running:
                 continue
             for edge in (t.posted_at, t.posted_at + t.nbytes / self._rate):
                 if edge - spin_s <= now <= edge + spin_s:

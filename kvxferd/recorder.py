@@ -65,7 +65,13 @@ class Recorder:
         self.metrics.inflight.set(in_flight)
         self.metrics.quarantined.set(quarantined)
 
-    def read_posted(self, peer: str, descriptors: int, notifications: int, since_rpc_s: float) -> None:
+    def read_posted(self, peer: str, descriptors: int, notifications: int, since_rpc_s: float,
+                    slices: int = 0) -> None:
+        """`slices`: how many lanes the read was split across (0: posted whole)."""
+        if slices:
+            self.counters.split_reads += 1
+            self.metrics.split_reads.inc()
+            self.metrics.read_slices.inc(slices)
         self.metrics.descriptors.labels(self._peer(peer)).observe(descriptors)
         self.metrics.notifs_sent.inc(notifications)
         self.metrics.read_post.observe(since_rpc_s)

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.plan.descriptors import RequestBlocks, local_descs, region_addresses, remote_descs, request_indices
+from kvxferd.plan.descriptors import (
+    RequestBlocks,
+    local_descs,
+    local_rows,
+    region_addresses,
+    remote_descs,
+    remote_rows,
+    request_indices,
+)
 from kvxferd.plan.geometry import ATTENTION, Geometry
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.plan.planner import RankPlan, plan_rank
@@ -43,6 +51,10 @@ def execute(plan: RankPlan, req: RequestBlocks, local_geo: Geometry, local_bufs:
         rdesc = remote_descs(peer, region_addresses(remote_geos[rank], [0]))
         assert len(ldesc) == peer.num_local_descs and len(rdesc) == peer.num_remote_descs
         assert lids.max() < len(ldesc) and rids.max() < len(rdesc)
+        # what a posting lane computes for a slice of a read, checked against the whole arrays
+        remote_addr = region_addresses(remote_geos[rank], [0])
+        assert np.array_equal(local_rows(peer, lids, local_addr), ldesc[lids])
+        assert np.array_equal(remote_rows(peer, rids, remote_addr), rdesc[rids])
         dst, src = local_bufs[0], remote_bufs[rank][0]
         for li, ri in zip(lids.tolist(), rids.tolist()):
             la, ln, _ = ldesc[li]

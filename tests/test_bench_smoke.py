@@ -7,9 +7,11 @@ from kvxferd.benchmarks import control, dataplane, handshake, plan
 
 
 def test_bench_data_runs():
-    (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=1)
+    (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=1, lane_split_bytes=1 << 20)
     assert row["descriptors"] == 128
-    assert all(row[k] > 0 for k in ("kvxferd_gb_s", "raw_nixl_gb_s", "memcpy_gb_s", "kvxferd_over_raw"))
+    assert all(row[k] > 0 for k in ("kvxferd_gb_s", "lanes_gb_s", "raw_nixl_gb_s", "memcpy_gb_s", "memcpy2_gb_s",
+                                    "kvxferd_over_raw", "lanes_over_raw"))
+    assert row["split_reads"] > 0  # 2 MiB in 1 MiB slices: the lanes pair split every read
     assert "16KiB" in dataplane.render([row])
 
 
@@ -37,7 +39,8 @@ def test_bench_json_is_only_json_on_stdout():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "kvxferd", "bench", "data", "--json", "--mib", "4", "--repeats", "1"],
+    out = subprocess.run([sys.executable, "-m", "kvxferd", "bench", "data", "--json", "--mib", "4", "--repeats", "1",
+                          "--rounds", "1", "--page-kib", "16", "--page-kib", "64"],
                          capture_output=True, text=True, timeout=600, check=True)
     rows = json.loads(out.stdout)
     assert rows and all("kvxferd_over_raw" in r for r in rows)

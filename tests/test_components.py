@@ -25,6 +25,7 @@ from kvxferd import handshake as hs
 from kvxferd import protocol as P
 from kvxferd.engines import EngineRank, Engines
 from kvxferd.holds import Holds
+from kvxferd.lanes import Lanes
 from kvxferd.memory import create_shm
 from kvxferd.nixl_driver import NixlDriver
 from kvxferd.peers import Peers
@@ -110,8 +111,9 @@ async def make_world() -> AsyncIterator[World]:
     holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
     server = hs.HandshakeServer(ctx, "127.0.0.1", 0, holds.answer_handshake)
     task = asyncio.create_task(server.run())
-    peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None)
-    reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60)
+    no_lanes = Lanes(0, 8 << 20, "d", ("UCX",))  # every read posted whole on the daemon's agent
+    peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None, lanes=no_lanes)
+    reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60, lanes=no_lanes)
     try:
         yield World(p, d, holds, peers, reads, server.port)
     finally:
@@ -262,9 +264,10 @@ async def test_handshake_answer_describes_the_serving_ranks(w: World) -> None:
 
 
 @in_world
-async def test_a_read_on_a_cached_route_reaches_the_read_post_through_three_files(w: World) -> None:
-    """After the dispatch (rpc.py -> daemon.py), a read runs code of reads.py and the request's
-    descriptor ids (plan/descriptors.py) before NixlDriver.read posts it: five files in all."""
+async def test_a_read_on_a_cached_route_reaches_the_read_post_through_four_files(w: World) -> None:
+    """After the dispatch (rpc.py -> daemon.py), a read runs code of reads.py, the request's
+    descriptor ids (plan/descriptors.py) and the lanes' size check (lanes.py) before
+    NixlDriver.read posts it: six files in all."""
     d_er = w.decode.rank
     assert d_er is not None
     p_seq, d_seq = prompt(w, 7, 40)
@@ -284,7 +287,7 @@ async def test_a_read_on_a_cached_route_reaches_the_read_post_through_three_file
     finally:
         sys.setprofile(None)
     assert "nixl_driver.py" in touched, touched
-    assert set(touched) == {"reads.py", "plan/descriptors.py", "nixl_driver.py"}, touched
+    assert set(touched) == {"reads.py", "plan/descriptors.py", "lanes.py", "nixl_driver.py"}, touched
     assert (await w.completion(d_er)).status == "received"
 
 

@@ -1,10 +1,12 @@
 """`kvxferd bench data`: one descriptor workload moved three ways in one run.
 
-  kvxferd   engine -> RPC -> decode daemon -> NIXL READ from the prefill daemon's agent
+  kvxferd   engine -> RPC -> decode daemon -> NIXL READ from the prefill daemon's agent, posted
+            whole (lanes off: one stream, what raw NIXL does)
   raw NIXL  a reader process and a target process driving nixl._api directly, configured as
             kvxferd configures its agent (no NIXL progress thread; the target progresses
             every millisecond, the reader busy-polls its transfer)
-  memcpy    one process copying the same bytes (this machine's physical limit)
+  lanes     kvxferd as configured by default: a read this large split across 2 posting lanes
+  memcpy    one process copying the same bytes, with 1 and 2 threads (this machine's limits)
 
 `--device cuda-vmm` moves GPU memory instead (engines' KV caches as CUDA VMM allocations; the
 copy baseline is a device-to-device cuMemcpy).
@@ -18,13 +20,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..client import RemoteRef
+from ..client import Client, RemoteRef
 from ..plan.models import ModelShape, build
-from .harness import BenchEngine, daemons, median
+from .harness import BenchEngine, daemons, environment, median
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -77,6 +80,7 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
     rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, mem), mem)
     idx = np.arange(2 * n, dtype=np.int32)
     times: list[float] = []
+    posts: list[float] = []
     for i in range(repeats + 2):
         t0 = time.perf_counter()
         while True:
@@ -86,32 +90,37 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
                 break
             except Exception:  # the connection may still be coming up on the first READ
                 time.sleep(0.01)
+        posted = time.perf_counter()
         while agent.check_xfer_state(h) != "DONE":
             pass
         agent.release_xfer_handle(h)
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    results.put(times)
+            posts.append(posted - t0)
+    results.put((times, posts))
 
 
-def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu") -> list[float]:
+def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu") -> tuple[list[float], list[float]]:
+    """Per READ: (seconds from post to DONE, seconds in the post call alone)."""
     ctx = mp.get_context("spawn")
     a: Queue[tuple[Any, int]] = ctx.Queue()
     b: Queue[tuple[Any, int]] = ctx.Queue()
-    results: Queue[list[float]] = ctx.Queue()
+    results: Queue[tuple[list[float], list[float]]] = ctx.Queue()
     done: Queue[None] = ctx.Queue()
     reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device))
     target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
     reader.start()
     target.start()
-    times = results.get(timeout=300)
+    out = results.get(timeout=300)
     done.put(None)
     reader.join(10)
     target.join(10)
-    return times
+    return out
 
 
-def memcpy(nbytes: int, repeats: int, device: str = "cpu") -> float:
+def memcpy(nbytes: int, repeats: int, device: str = "cpu", threads: int = 1) -> float:
+    """Seconds per copy of `nbytes`; on the CPU with `threads` threads, each copying its share
+    (numpy releases the GIL while it copies)."""
     if device == "cuda-vmm":  # device-to-device copy between two allocations
         from ..memory import VmmBuffer, _check, _cu
         cu = _cu()
@@ -126,11 +135,13 @@ def memcpy(nbytes: int, repeats: int, device: str = "cpu") -> float:
     src = np.full(nbytes, 0x5A, dtype=np.uint8)
     dst = np.empty_like(src)
     dst[:] = 0
+    parts = list(zip(np.array_split(src, threads), np.array_split(dst, threads)))
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: np.copyto(p[1], p[0]), parts))
+            times.append(time.perf_counter() - t0)
     return median(times)
 
 
@@ -157,34 +168,67 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
         p.close()
 
 
-def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 3,
-        device: str = "cpu") -> list[dict[str, float]]:
+WHOLE = {"KVXFERD_LANES": "0"}  # every read posted whole on the decode daemon's agent (one stream)
+
+
+def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 5,
+        device: str = "cpu", lane_split_bytes: int | None = None) -> list[dict[str, float]]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
-    machine weighs on both alike."""
+    machine weighs on all alike. Per page size, fresh daemons: one pair posting every read whole
+    (lanes off), one pair as configured by default (a 64 MiB read split across 2 lanes); the
+    whole pair's own latency figures (RPC -> READ posted, RPC -> completion) cover that page
+    size alone."""
     rows: list[dict[str, float]] = []
     nbytes = total_mib << 20
-    with daemons(2) as (pd, dd):
-        for page in page_sizes:
-            n = nbytes // (2 * page)
-            ks: list[float] = []
-            rs: list[float] = []
+    for page in page_sizes:
+        n = nbytes // (2 * page)
+        whole: list[float] = []
+        split: list[float] = []
+        raw: list[float] = []
+        raw_posts: list[float] = []
+        laned_env = {"KVXFERD_LANE_SPLIT_BYTES": str(lane_split_bytes)} if lane_split_bytes else {}
+        with environment(WHOLE), daemons(2) as one_stream, environment(laned_env), daemons(2) as laned:
             for _ in range(rounds):
-                ks += through_kvxferd([pd.socket, dd.socket], page, n, repeats, device)
-                rs += raw_nixl(page, n, repeats, device)
-            k, r = median(ks), median(rs)
-            m = memcpy(nbytes, repeats, device)
-            rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib,
-                         "kvxferd_gb_s": nbytes / k / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
-                         "memcpy_gb_s": nbytes / m / 1e9, "kvxferd_over_raw": r / k})
+                whole += through_kvxferd([d.socket for d in one_stream], page, n, repeats, device)
+                split += through_kvxferd([d.socket for d in laned], page, n, repeats, device)
+                times, posts = raw_nixl(page, n, repeats, device)
+                raw += times
+                raw_posts += posts
+            with Client(one_stream[1].socket) as c:
+                daemon = c.status().latency_us
+            with Client(laned[1].socket) as c:
+                split_reads = c.status().counters.split_reads
+        k, sk, r = median(whole), median(split), median(raw)
+        m1, m2 = memcpy(nbytes, repeats, device), memcpy(nbytes, repeats, device, threads=2)
+        rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib, "rounds": rounds,
+                     "kvxferd_gb_s": nbytes / k / 1e9, "lanes_gb_s": nbytes / sk / 1e9,
+                     "raw_nixl_gb_s": nbytes / r / 1e9, "memcpy_gb_s": nbytes / m1 / 1e9,
+                     "memcpy2_gb_s": nbytes / m2 / 1e9,
+                     "kvxferd_over_raw": r / k, "lanes_over_raw": r / sk, "lanes_of_memcpy2": m2 / sk,
+                     "split_reads": split_reads,
+                     "kvxferd_ms": k * 1e3, "raw_ms": r * 1e3, "raw_post_ms": median(raw_posts) * 1e3,
+                     "daemon_rpc_to_post_ms": (daemon.rpc_to_post.p50 or 0) / 1e3,
+                     "daemon_rpc_to_done_ms": (daemon.rpc_to_completion.p50 or 0) / 1e3})
     return rows
 
 
 def render(rows: list[dict[str, float]]) -> str:
-    lines = [f"{'page':>8} {'descs':>7} {'kvxferd GB/s':>13} {'raw NIXL GB/s':>14} {'memcpy GB/s':>12} "
-             f"{'kvxferd/raw':>12}"]
+    """Two tables: throughput and ratios; where one stream's time goes."""
+    lines = [f"{'page':>8} {'descs':>6} {'kvxferd':>8} {'raw NIXL':>9} {'kvxferd/':>9} {'lanes':>7} {'lanes/':>7} "
+             f"{'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
+             f"{'':>8} {'':>6} {'1 stream':>8} {'GB/s':>9} {'raw':>9} {'GB/s':>7} {'raw':>7} "
+             f"{'1 thr':>7} {'2 thr':>7} {'memcpy2':>8}"]
     for r in rows:
-        lines.append(f"{r['page_kib']:>5}KiB {r['descriptors']:>7} {r['kvxferd_gb_s']:>13.2f} "
-                     f"{r['raw_nixl_gb_s']:>14.2f} {r['memcpy_gb_s']:>12.2f} {r['kvxferd_over_raw']:>12.2f}")
+        lines.append(f"{r['page_kib']:>5}KiB {r['descriptors']:>6} {r['kvxferd_gb_s']:>8.2f} "
+                     f"{r['raw_nixl_gb_s']:>9.2f} "
+                     f"{r['kvxferd_over_raw']:>9.2f} {r['lanes_gb_s']:>7.2f} {r['lanes_over_raw']:>7.2f} "
+                     f"{r['memcpy_gb_s']:>7.2f} {r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
+    lines += ["", "one stream, medians in ms per request:",
+              f"{'page':>8} {'kvxferd':>8} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9}",
+              f"{'':>8} {'client':>8} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9}"]
+    for r in rows:
+        lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['daemon_rpc_to_post_ms']:>9.2f} "
+                     f"{r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} {r['raw_post_ms']:>9.2f}")
     return "\n".join(lines)
 
 

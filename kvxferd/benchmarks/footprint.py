@@ -9,12 +9,11 @@ copying, so the daemon's own footprint is what is measured.
 
 from __future__ import annotations
 
-import os
 import time
 
 from ..client import RemoteRef
 from ..plan.models import ModelShape, build
-from .harness import BenchEngine, daemons, idle_cpu_percent, rss_mb
+from .harness import BenchEngine, daemons, environment, idle_cpu_percent, rss_mb
 from .plan import LLAMA70B
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=64, block_size=16, num_blocks=256)
@@ -28,22 +27,13 @@ def idle_cpu() -> dict[str, float]:
     out: dict[str, float] = {}
     geo = build(SHAPE, 1, 0)
     for label, env in (("fixed_1ms_tick", {"KVXFERD_IDLE_MAX_S": "0.001"}), ("idle_pace", {})):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with daemons(2) as (pd, dd):
-                engines = [BenchEngine(pd.socket, "p", geo), BenchEngine(dd.socket, "d", geo)]
-                time.sleep(2.0)  # past the start-up activity
-                p_cpu, d_cpu = idle_cpu_percent([pd.proc.pid, dd.proc.pid], IDLE_S)
-                out[f"{label}_prefill_cpu_pct"], out[f"{label}_decode_cpu_pct"] = p_cpu, d_cpu
-                for e in engines:
-                    e.close()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with environment(env), daemons(2) as (pd, dd):
+            engines = [BenchEngine(pd.socket, "p", geo), BenchEngine(dd.socket, "d", geo)]
+            time.sleep(2.0)  # past the start-up activity
+            p_cpu, d_cpu = idle_cpu_percent([pd.proc.pid, dd.proc.pid], IDLE_S)
+            out[f"{label}_prefill_cpu_pct"], out[f"{label}_decode_cpu_pct"] = p_cpu, d_cpu
+            for e in engines:
+                e.close()
     return out
 
 

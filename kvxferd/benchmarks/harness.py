@@ -52,6 +52,21 @@ def idle_cpu_percent(pids: Sequence[int], seconds: float) -> list[float]:
 
 
 @contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for what starts inside (daemons read KVXFERD_* at start)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def daemons(n: int = 2, extra: Sequence[str] = ()) -> Iterator[list[DaemonProcess]]:
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-") as work:
         procs: list[DaemonProcess] = []

@@ -77,6 +77,36 @@ def _runs(pages: np.ndarray, phases: np.ndarray) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+def descriptor_rows(ids: np.ndarray, base: np.ndarray, region_addr: np.ndarray, region: np.ndarray,
+                    offset: np.ndarray, length: np.ndarray, step: np.ndarray, stride: np.ndarray,
+                    pages: np.ndarray, device: int = 0) -> np.ndarray:
+    """The rows `descriptor_array` has at `ids`, computed for those ids alone.
+
+    An id's piece t is the last whose base is <= id; the rest of the id is phase-major within
+    the piece (id = base[t] + phase * pages[t] + page), hence the same address formula.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    t = np.searchsorted(base, ids, side="right") - 1
+    phase, page = np.divmod(ids - base[t], pages[t])
+    out = np.empty((len(ids), 3), dtype=np.int64)
+    out[:, 0] = region_addr[region[t]] + page * stride[t] + offset[t] + phase * step[t]
+    out[:, 1] = length[t]
+    out[:, 2] = device
+    return out
+
+
+def local_rows(peer: PeerPlan, ids: np.ndarray, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
+    """`local_descs(...)[ids]` without building the whole array."""
+    return descriptor_rows(ids, peer.local_base, region_addr, peer.local_region, peer.local_offset, peer.length,
+                           peer.local_step, peer.local_stride, peer.local_pages, device)
+
+
+def remote_rows(peer: PeerPlan, ids: np.ndarray, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
+    """`remote_descs(...)[ids]` without building the whole array."""
+    return descriptor_rows(ids, peer.remote_base, region_addr, peer.remote_region, peer.remote_offset, peer.length,
+                           peer.remote_step, peer.remote_stride, peer.remote_pages, device)
+
+
 def local_descs(peer: PeerPlan, region_addr: np.ndarray, device: int = 0) -> np.ndarray:
     return descriptor_array(region_addr, peer.local_region, peer.local_offset, peer.length, peer.local_step,
                             peer.local_stride, peer.local_pages, peer.local_phases, device)

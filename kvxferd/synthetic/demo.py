@@ -150,6 +150,7 @@ class DemoResult:
     prefix_hits: int
     released: dict[str, int]  # prefill release status -> requests
     sizes: list[int] = field(default_factory=list)  # bytes of each received request
+    split_reads: int = 0  # decode ranks' reads split across posting lanes
 
     def summary(self) -> dict[str, Any]:
         lat = np.array(self.latencies or [0.0]) * 1000
@@ -259,4 +260,5 @@ def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens:
         stray = cluster.decode.call("verify_all")
         if stray:
             raise DemoError(f"bytes outside any request changed on the decode engine: {stray}")
+        result.split_reads = cluster.status(1).counters.split_reads
     return result

@@ -1,0 +1,142 @@
+"""Posting lanes: a large read split across extra NIXL agents, each posted from its own thread.
+
+    read of B bytes, B >= 2 x split_bytes -> k = min(lanes, B // split_bytes) slices of its
+        descriptor pairs (contiguous, equal counts)
+    slice i -> lane i's thread: explicit descriptor rows -> READ on lane i's agent (no notification)
+    every slice DONE -> the daemon's own agent sends the consumers' notifications -> "received"
+
+Why: with UCX's shared-memory transports (CMA) a READ's copy runs inside the call that posts
+it, so one agent moves one stream at a time, and the event loop that posts it stalls for the
+whole copy. Each lane is its own NIXL agent (its own UCX worker) driven by its own thread;
+NIXL releases the GIL in its calls, so slices copy in parallel and the loop stays free.
+
+A lane's agent is created in NIXL's strict thread mode: the lane thread posts, the loop thread
+registers memory, adds peers, checks states and releases handles, and NIXL serializes them.
+Lanes read into memory the daemon's agent registered too; they register every engine rank
+and learn every peer the daemon's agent does. Notifications always come from the daemon's
+agent, after the data is in place, so a prefill engine never frees blocks a slice still reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .memory import MemType
+from .nixl_driver import DONE, NixlDriver, Registration, TransferError, XferHandle
+
+log = logging.getLogger("kvxferd")
+
+LaneRegistrations = list[list[Registration]]  # per lane, one registration per buffer
+
+
+class Lane:
+    """One extra NIXL agent and the one thread that posts on it."""
+
+    def __init__(self, index: int, driver: NixlDriver) -> None:
+        self.index = index
+        self.nixl = driver
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-lane{index}")
+
+    def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
+             peer: str) -> Future[XferHandle]:
+        return self._thread.submit(self.nixl.read_rows, local, local_mem, remote, remote_mem, peer)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(eq=False)
+class SliceRead:
+    """One slice of a split read: posted (or being posted) on a lane."""
+
+    lane: Lane
+    posting: Future[XferHandle]
+
+    def ended(self) -> bool:
+        """Posted and DONE; TransferError if the post or the transfer failed. False while running."""
+        if not self.posting.done():
+            return False
+        handle = self.posting.result()  # re-raises the post's TransferError
+        return self.lane.nixl.state(handle) == DONE
+
+    def release(self) -> bool:
+        """Release the handle if the slice ended (done or failed); False while it still runs."""
+        if not self.posting.done():
+            return False
+        if self.posting.exception() is not None:
+            return True  # nothing was posted
+        handle = self.posting.result()
+        try:
+            if self.lane.nixl.state(handle) != DONE:
+                return False
+        except TransferError:
+            pass
+        self.lane.nixl.release(handle)
+        return True
+
+
+class Lanes:
+    """The daemon's posting lanes; empty when `count` is 0 (every read on the daemon's agent)."""
+
+    def __init__(self, count: int, split_bytes: int, name: str, backends: tuple[str, ...]) -> None:
+        self.split_bytes = split_bytes
+        self.lanes = [Lane(i, NixlDriver(f"{name}-lane{i}", backends, telemetry=False, progress_thread=False,
+                                         shared=True)) for i in range(count)]
+        self._peers: dict[str, int] = {}  # peer agent -> how many of the daemon's peers use it
+
+    def slices(self, nbytes: int) -> int:
+        """How many lanes a read of `nbytes` is split across; 0: post it whole on the daemon's agent."""
+        k = min(len(self.lanes), nbytes // self.split_bytes) if self.split_bytes > 0 else 0
+        return k if k >= 2 else 0
+
+    # --- what every lane must know ----------------------------------------------
+    def register(self, buffers: list[tuple[int, int, MemType, int]]) -> LaneRegistrations:
+        """Register buffers (addr, nbytes, mem type, device) with every lane; the caller keeps
+        what this returns for `deregister`."""
+        done: LaneRegistrations = []
+        try:
+            for lane in self.lanes:
+                regs: list[Registration] = []
+                done.append(regs)
+                for addr, nbytes, mem, device in buffers:
+                    regs.append(lane.nixl.register(addr, nbytes, mem, device))
+        except Exception:
+            self.deregister(done)
+            raise
+        return done
+
+    def deregister(self, per_lane: LaneRegistrations) -> None:
+        for lane, regs in zip(self.lanes, per_lane):
+            for reg in regs:
+                lane.nixl.deregister(reg)
+
+    def add_peer(self, agent: str, metadata: bytes) -> None:
+        """A peer daemon's agent, as the daemon's agent just loaded it (counted: several remote
+        engines may live behind one peer daemon)."""
+        if agent not in self._peers:
+            for lane in self.lanes:
+                lane.nixl.add_peer(metadata)
+        self._peers[agent] = self._peers.get(agent, 0) + 1
+
+    def remove_peer(self, agent: str) -> None:
+        left = self._peers.get(agent, 0) - 1
+        if left > 0:
+            self._peers[agent] = left
+            return
+        self._peers.pop(agent, None)
+        for lane in self.lanes:
+            try:
+                lane.nixl.remove_peer(agent)
+            except Exception as exc:  # already gone from this lane: nothing to undo
+                log.debug("lane %d: removing peer %s: %s", lane.index, agent, exc)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+
+
+__all__ = ["Lane", "Lanes", "SliceRead"]
