@@ -250,6 +250,10 @@ async def test_lease_ends_as_expired_and_renewal_extends_it(w: World) -> None:
     assert (expired.request_id, expired.status, expired.block_ids) == ("a", "expired", [[3]])
     assert "0 of ? consumers" in expired.reason
     assert [h.request for h in w.holds.status(time.monotonic(), 10)] == ["b"]
+    w.holds.expire(time.monotonic() + 31.0)  # the renewed lease passes in its turn, once
+    w.holds.expire(time.monotonic() + 62.0)
+    assert [(c.request_id, c.status) for c in p_er.completions] == [("a", "expired"), ("b", "expired")]
+    assert w.holds.held == 0
     with pytest.raises(RequestError, match="lease_s 120"):
         w.holds.hold(p_er, P.Hold("prefill", 0, "c", 120.0))
 
