@@ -184,6 +184,9 @@ class Requests:
     def unregister(self) -> P.Unregister:
         return P.Unregister(self.engine_id, self.rank)
 
+    def attach(self, token: str) -> P.Attach:
+        return P.Attach(self.engine_id, self.rank, token)
+
     def hold(self, request_id: str, lease_s: float, block_ids: BlockLists) -> P.Hold:
         return P.Hold(self.engine_id, self.rank, request_id, lease_s, _blocks(block_ids))
 
@@ -216,6 +219,7 @@ class EngineClient:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
         self.doorbell: int | None = None  # eventfd the daemon rings when completions wait
+        self.token = ""  # from `register`: what another process passes to `attach`
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
                  fds: Sequence[int] = (), doorbell: bool = False) -> str:
@@ -235,8 +239,13 @@ class EngineClient:
         if bell is not None and not reply.doorbell:
             os.close(bell)
             bell = None
-        self.doorbell, self.side_channel = bell, reply.side_channel
+        self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         return self.side_channel
+
+    def attach(self, token: str) -> None:
+        """Act for a rank another process registered (protocol 3), with the token its
+        registration returned; requests naming it from this connection are then served."""
+        self.rpc.call(self.requests.attach(token), P.Ok)
 
     def rung(self) -> bool:
         """True when a poll may find completions: the daemon rang since the last call, or this

@@ -17,6 +17,7 @@ import asyncio
 import grp
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Awaitable
@@ -240,7 +241,7 @@ class Daemon:
             msg = P.request_decoder.decode(data)
             method = type(msg).__name__.lower()
             if isinstance(msg, P.Poll) and msg.wait_s > 0:
-                er = self._rank(msg.engine_id, msg.tp_rank)
+                er = self._rank(msg.engine_id, msg.tp_rank, conn, "poll")
                 if not er.completions:
                     return self._poll_later(er, msg, received_at)
             reply: P.Reply = self._dispatch(conn, msg, received_at)
@@ -266,23 +267,30 @@ class Daemon:
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
             case P.Register(memory=memory, doorbell=doorbell):
                 fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + doorbell)
-                self.engines.register(msg, fds, conn)
-                return P.Registered(self.cfg.side_channel, self.nixl.name, doorbell)
+                er = self.engines.register(msg, fds, conn)
+                return P.Registered(self.cfg.side_channel, self.nixl.name, doorbell, er.token)
+            case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
+                er = self._rank(engine_id, rank, None)
+                if not secrets.compare_digest(token.encode(), er.token.encode()):
+                    self.recorder.request_forbidden("attach")
+                    raise RequestError("forbidden", f"wrong token for engine {engine_id!r} rank {rank}")
+                er.attached.add(conn)
+                return P.Ok()
             case P.Unregister(engine_id=engine_id, tp_rank=rank):
-                self._unregister(self._rank(engine_id, rank), "unregistered")
+                self._unregister(self._rank(engine_id, rank, conn, "unregister"), "unregistered")
                 return P.Ok()
             case P.Hold(engine_id=engine_id, tp_rank=rank):
-                self.holds.hold(self._rank(engine_id, rank), msg)
+                self.holds.hold(self._rank(engine_id, rank, conn, "hold"), msg)
                 self.pace.active(time.monotonic())
                 self._wake.set()
                 return P.Ok()
             case P.Read(engine_id=engine_id, tp_rank=rank):
-                self.reads.start(self._rank(engine_id, rank), msg, received_at)
+                self.reads.start(self._rank(engine_id, rank, conn, "read"), msg, received_at)
                 return P.Ok()
             case P.Batch(items=items):
                 return P.Results([self._batched(conn, item, received_at) for item in items])
             case P.Poll(engine_id=engine_id, tp_rank=rank, max_items=max_items):
-                return self._rank(engine_id, rank).take_completions(max_items)
+                return self._rank(engine_id, rank, conn, "poll").take_completions(max_items)
             case P.StatusQuery():
                 return P.StatusReply(self.status())
 
@@ -295,11 +303,16 @@ class Daemon:
         assert isinstance(reply, P.Ok)
         return reply
 
-    def _rank(self, engine_id: str, rank: int) -> EngineRank:
-        """The serving rank a request names, or the `unknown_engine` error the engine should see."""
+    def _rank(self, engine_id: str, rank: int, conn: ServerConnection | None, method: str = "") -> EngineRank:
+        """The serving rank a request names: `unknown_engine` if there is none, `forbidden` (and
+        counted) if the connection may not act for it (engines.EngineRank.may_act)."""
         er = self.engines.ranks.get((engine_id, rank))
         if er is None or er.closing:
             raise RequestError("unknown_engine", f"engine {engine_id!r} rank {rank} is not registered")
+        if not er.may_act(conn):
+            self.recorder.request_forbidden(method)
+            raise RequestError("forbidden", f"engine {engine_id!r} rank {rank} was registered by another "
+                                            "process; attach with its token to act for it")
         return er
 
     async def _poll_later(self, er: EngineRank, msg: P.Poll, received_at: float) -> bytes:

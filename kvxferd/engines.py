@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +52,9 @@ class EngineRank:
     closing: bool = False
     release_after: float = 0.0  # prefill memory: the latest lease a reader may still be using
     lane_registrations: LaneRegistrations = field(default_factory=list)  # the same memory, on each lane
+    owner_pid: int = -1  # the registering process (SO_PEERCRED); its connections act for the rank
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets another process `attach`
+    attached: weakref.WeakSet[ServerConnection] = field(default_factory=weakref.WeakSet)
     doorbell: int | None = None  # the engine's eventfd, rung when completions wait (protocol 3)
     rung: bool = False  # rung since the engine last took completions: ring once per batch
 
@@ -68,6 +73,11 @@ class EngineRank:
     @property
     def device(self) -> int:
         return self.mappings[0].device if self.mappings else 0
+
+    def may_act(self, conn: ServerConnection | None) -> bool:
+        """Whether a request on `conn` may name this rank: the registering process's connections
+        and those attached with the rank's token (None: the daemon itself)."""
+        return conn is None or conn is self.conn or conn.credentials[0] == self.owner_pid or conn in self.attached
 
     def complete(self, c: P.Completion) -> None:
         """Queue a completion for the engine's next poll (dropped once the rank is closing)."""
@@ -170,7 +180,8 @@ class Engines:
                                               f"({msg.memory[0].kind}): {exc}") from None
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
                         region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn,
-                        doorbell=doorbell, lane_registrations=lane_regs)
+                        owner_pid=conn.credentials[0] if conn is not None else -1, doorbell=doorbell,
+                        lane_registrations=lane_regs)
         self._ranks[er.key] = er
         self._changed()
         log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,

@@ -39,6 +39,8 @@ class Metrics:
                                           buckets=_LATENCY, registry=r)
         self.read_post = Histogram("kvxferd_read_post_seconds", "Read RPC received to READs posted",
                                    buckets=_LATENCY, registry=r)
+        self.forbidden = Counter("kvxferd_forbidden_requests", "Requests naming an engine rank the connection "
+                                 "may not act for, by method", ["method"], registry=r)
         self.split_reads = Counter("kvxferd_split_reads", "Reads split across posting lanes", registry=r)
         self.read_slices = Counter("kvxferd_read_slices", "Slices of split reads posted on lanes", registry=r)
         self.descriptors = Histogram("kvxferd_transfer_descriptors", "Descriptors per read request", ["peer"],

@@ -119,7 +119,15 @@ class StatusQuery(Msg, tag="status"):
     pass
 
 
-Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery
+class Attach(Msg, tag="attach"):
+    """Protocol 3: let this connection act for a rank registered by another process, with the
+    token its `registered` reply handed out."""
+    engine_id: Name
+    tp_rank: Rank
+    token: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery | Attach
 
 
 class Completion(msgspec.Struct):
@@ -140,6 +148,7 @@ class Registered(Msg, tag="registered"):
     side_channel: str  # host:port that peers handshake with
     agent: str
     doorbell: bool = False  # the daemon rings the engine's eventfd (protocol 3)
+    token: str = ""  # protocol 3: what another process presents (`attach`) to act for this rank
 
 
 class Ok(Msg, tag="ok"):
@@ -210,6 +219,7 @@ class Counters(msgspec.Struct):
     handshakes: int = 0
     handshake_failures: int = 0
     unauthenticated_peers: int = 0
+    forbidden: int = 0  # requests naming a rank from a connection that may not act for it
 
 
 class Percentiles(msgspec.Struct, omit_defaults=True):

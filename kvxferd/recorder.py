@@ -52,6 +52,10 @@ class Recorder:
         self.metrics.rpc.labels(method, outcome).inc()
         self.metrics.rpc_seconds.labels(method).observe(seconds)
 
+    def request_forbidden(self, method: str) -> None:
+        self.counters.forbidden += 1
+        self.metrics.forbidden.labels(method).inc()
+
     def connection_refused(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
 
