@@ -21,6 +21,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,9 +41,10 @@ def shape_for(page: int, blocks: int) -> ModelShape:
 
 
 def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, int]],
-              results: Queue[Any], page: int, n: int, repeats: int, device: str) -> None:
-    """One NIXL agent. q_out/q_in: (agent metadata, buffer address). `results`: the reader puts
-    its timings (list[float]) there; the target gets the done signal (None) from it."""
+              results: Queue[Any], page: int, n: int, repeats: int, device: str, agents: int = 1) -> None:
+    """One NIXL agent (the reader: `agents` of them, each reading its slice from its own
+    thread). q_out/q_in: (agent metadata, buffer address). `results`: the reader puts its
+    timings there; the target gets the done signal (None) from it."""
     import mmap
 
     from ..nixl_driver import nixl_api
@@ -72,42 +74,58 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
                 return
             except queue.Empty:
                 pass
-    peer = agent.add_remote_agent(meta)
     offs = np.arange(2 * n, dtype=np.int64) * page
     local = np.stack([addr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
     remote = np.stack([raddr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, mem), mem)
-    rh = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(remote, mem), mem)
-    idx = np.arange(2 * n, dtype=np.int32)
-    times: list[float] = []
-    posts: list[float] = []
-    for i in range(repeats + 2):
+    readers = [agent] + [api.nixl_agent(f"raw-reader{k}", api.nixl_agent_config(enable_prog_thread=False,
+                                                                                 backends=["UCX"]))
+                         for k in range(1, agents)]
+    for extra in readers[1:]:
+        extra.register_memory(extra.get_reg_descs([(addr, size, 0, "")], mem), mem)
+    lists = []
+    for a in readers:
+        peer = a.add_remote_agent(meta)
+        lists.append((a, a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(local, mem), mem),
+                      a.prep_xfer_dlist(peer, a.get_xfer_descs(remote, mem), mem)))
+    slices = np.array_split(np.arange(2 * n, dtype=np.int32), agents)
+
+    def read(k: int) -> float:
+        """One agent's slice, posted and polled to DONE; returns the post call's seconds."""
+        a, lh, rh = lists[k]
         t0 = time.perf_counter()
         while True:
             try:
-                h = agent.make_prepped_xfer("READ", lh, idx, rh, idx, b"x")
-                agent.transfer(h)
+                h = a.make_prepped_xfer("READ", lh, slices[k], rh, slices[k], b"x")
+                a.transfer(h)
                 break
             except Exception:  # the connection may still be coming up on the first READ
                 time.sleep(0.01)
-        posted = time.perf_counter()
-        while agent.check_xfer_state(h) != "DONE":
+        posted = time.perf_counter() - t0
+        while a.check_xfer_state(h) != "DONE":
             pass
-        agent.release_xfer_handle(h)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-            posts.append(posted - t0)
+        a.release_xfer_handle(h)
+        return posted
+
+    times: list[float] = []
+    posts: list[float] = []
+    with ThreadPoolExecutor(agents) as pool:
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            post = read(0) if agents == 1 else max(pool.map(read, range(agents)))
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+                posts.append(post)
     results.put((times, posts))
 
 
-def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu") -> tuple[list[float], list[float]]:
-    """Per READ: (seconds from post to DONE, seconds in the post call alone)."""
+def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu", agents: int = 1) -> tuple[list[float], list[float]]:
+    """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone)."""
     ctx = mp.get_context("spawn")
     a: Queue[tuple[Any, int]] = ctx.Queue()
     b: Queue[tuple[Any, int]] = ctx.Queue()
     results: Queue[tuple[list[float], list[float]]] = ctx.Queue()
     done: Queue[None] = ctx.Queue()
-    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device))
+    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device, agents))
     target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
     reader.start()
     target.start()
@@ -145,7 +163,9 @@ def memcpy(nbytes: int, repeats: int, device: str = "cpu", threads: int = 1) -> 
     return median(times)
 
 
-def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device: str = "cpu") -> list[float]:
+def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
+                    device: str = "cpu") -> tuple[list[float], list[float]]:
+    """Per request: (read call -> completion in the engine, read call -> its `ok` reply)."""
     shape = shape_for(page, n)
     p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0), device=device)
     d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0), device=device)
@@ -153,19 +173,54 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
         times: list[float] = []
+        acks: list[float] = []
         for i in range(repeats + 2):
             remote = RemoteRef(f"p{page}", host, int(port), 1, f"r{i}")
             t0 = time.perf_counter()
             d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
+            ack = time.perf_counter() - t0
             c = d.wait(f"r{i}")
             elapsed = time.perf_counter() - t0
             assert c.status == "received", c
             if i >= 2:  # the first reads include the handshake and descriptor preparation
                 times.append(elapsed)
-        return times
+                acks.append(ack)
+        return times, acks
     finally:
         d.close()
         p.close()
+
+
+def small_reads_meanwhile(sockets: list[str], page: int, n: int, repeats: int) -> list[float]:
+    """Seconds from read call to completion of a one-block read by a second engine on the same
+    decode daemon, issued 1 ms after a large read (`n` blocks) of the first engine was sent."""
+    shape, small = shape_for(page, n), shape_for(page, 16)
+    p = BenchEngine(sockets[0], "pbig", build(shape, 1, 0))
+    ps = BenchEngine(sockets[0], "psmall", build(small, 1, 0))
+    d = BenchEngine(sockets[1], "dbig", build(shape, 1, 0))
+    ds = BenchEngine(sockets[1], "dsmall", build(small, 1, 0))
+    try:
+        host, port = p.side_channel.rsplit(":", 1)
+        big, one = [list(range(n))], [[0]]
+        latencies: list[float] = []
+        with ThreadPoolExecutor(1) as pool:
+            for i in range(repeats + 2):
+                def large(i: int = i) -> str:
+                    d.client.read(f"b{i}", RemoteRef("pbig", host, int(port), 1, f"b{i}"), n * 16, big, big, 120)
+                    return d.wait(f"b{i}").status
+                pending = pool.submit(large)
+                time.sleep(0.001)
+                t0 = time.perf_counter()
+                ds.client.read(f"s{i}", RemoteRef("psmall", host, int(port), 1, f"s{i}"), 16, one, one, 120)
+                status = ds.wait(f"s{i}").status
+                took = time.perf_counter() - t0
+                assert status == "received" and pending.result() == "received"
+                if i >= 2:
+                    latencies.append(took)
+        return latencies
+    finally:
+        for e in (ds, d, ps, p):
+            e.close()
 
 
 WHOLE = {"KVXFERD_LANES": "0"}  # every read posted whole on the decode daemon's agent (one stream)
@@ -183,52 +238,76 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
     for page in page_sizes:
         n = nbytes // (2 * page)
         whole: list[float] = []
+        acks: list[float] = []
         split: list[float] = []
         raw: list[float] = []
         raw_posts: list[float] = []
+        raw2: list[float] = []
+        small_whole: list[float] = []
+        small_split: list[float] = []
         laned_env = {"KVXFERD_LANE_SPLIT_BYTES": str(lane_split_bytes)} if lane_split_bytes else {}
-        with environment(WHOLE), daemons(2) as one_stream, environment(laned_env), daemons(2) as laned:
+        with ExitStack() as stack:
+            with environment(WHOLE):  # only while the one-stream pair starts
+                one_stream = stack.enter_context(daemons(2))
+            with environment(laned_env):
+                laned = stack.enter_context(daemons(2))
+            one_stream_sockets, laned_sockets = [d.socket for d in one_stream], [d.socket for d in laned]
             for _ in range(rounds):
-                whole += through_kvxferd([d.socket for d in one_stream], page, n, repeats, device)
-                split += through_kvxferd([d.socket for d in laned], page, n, repeats, device)
+                times, ack = through_kvxferd(one_stream_sockets, page, n, repeats, device)
+                whole += times
+                acks += ack
+                split += through_kvxferd(laned_sockets, page, n, repeats, device)[0]
                 times, posts = raw_nixl(page, n, repeats, device)
                 raw += times
                 raw_posts += posts
+                raw2 += raw_nixl(page, n, repeats, device, agents=2)[0]
             with Client(one_stream[1].socket) as c:
                 daemon = c.status().latency_us
             with Client(laned[1].socket) as c:
                 split_reads = c.status().counters.split_reads
-        k, sk, r = median(whole), median(split), median(raw)
+            if device == "cpu":
+                small_whole = small_reads_meanwhile(one_stream_sockets, page, n, repeats)
+                small_split = small_reads_meanwhile(laned_sockets, page, n, repeats)
+        k, sk, r, r2 = median(whole), median(split), median(raw), median(raw2)
         m1, m2 = memcpy(nbytes, repeats, device), memcpy(nbytes, repeats, device, threads=2)
         rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib, "rounds": rounds,
                      "kvxferd_gb_s": nbytes / k / 1e9, "lanes_gb_s": nbytes / sk / 1e9,
-                     "raw_nixl_gb_s": nbytes / r / 1e9, "memcpy_gb_s": nbytes / m1 / 1e9,
-                     "memcpy2_gb_s": nbytes / m2 / 1e9,
+                     "raw_nixl_gb_s": nbytes / r / 1e9, "raw_nixl_2_agents_gb_s": nbytes / r2 / 1e9,
+                     "memcpy_gb_s": nbytes / m1 / 1e9, "memcpy2_gb_s": nbytes / m2 / 1e9,
                      "kvxferd_over_raw": r / k, "lanes_over_raw": r / sk, "lanes_of_memcpy2": m2 / sk,
-                     "split_reads": split_reads,
-                     "kvxferd_ms": k * 1e3, "raw_ms": r * 1e3, "raw_post_ms": median(raw_posts) * 1e3,
+                     "raw_2_agents_over_raw": r / r2, "split_reads": split_reads,
+                     "kvxferd_ms": k * 1e3, "read_call_ms": median(acks) * 1e3,
+                     "raw_ms": r * 1e3, "raw_post_ms": median(raw_posts) * 1e3,
                      "daemon_rpc_to_post_ms": (daemon.rpc_to_post.p50 or 0) / 1e3,
-                     "daemon_rpc_to_done_ms": (daemon.rpc_to_completion.p50 or 0) / 1e3})
+                     "daemon_rpc_to_done_ms": (daemon.rpc_to_completion.p50 or 0) / 1e3,
+                     "small_read_whole_ms": median(small_whole) * 1e3 if small_whole else 0.0,
+                     "small_read_lanes_ms": median(small_split) * 1e3 if small_split else 0.0})
     return rows
 
 
 def render(rows: list[dict[str, float]]) -> str:
-    """Two tables: throughput and ratios; where one stream's time goes."""
+    """Three tables: throughput and ratios; where one stream's time goes; a small read's wait."""
     lines = [f"{'page':>8} {'descs':>6} {'kvxferd':>8} {'raw NIXL':>9} {'kvxferd/':>9} {'lanes':>7} {'lanes/':>7} "
-             f"{'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
+             f"{'raw NIXL':>9} {'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
              f"{'':>8} {'':>6} {'1 stream':>8} {'GB/s':>9} {'raw':>9} {'GB/s':>7} {'raw':>7} "
-             f"{'1 thr':>7} {'2 thr':>7} {'memcpy2':>8}"]
+             f"{'2 agents':>9} {'1 thr':>7} {'2 thr':>7} {'memcpy2':>8}"]
     for r in rows:
         lines.append(f"{r['page_kib']:>5}KiB {r['descriptors']:>6} {r['kvxferd_gb_s']:>8.2f} "
-                     f"{r['raw_nixl_gb_s']:>9.2f} "
-                     f"{r['kvxferd_over_raw']:>9.2f} {r['lanes_gb_s']:>7.2f} {r['lanes_over_raw']:>7.2f} "
-                     f"{r['memcpy_gb_s']:>7.2f} {r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
+                     f"{r['raw_nixl_gb_s']:>9.2f} {r['kvxferd_over_raw']:>9.2f} {r['lanes_gb_s']:>7.2f} "
+                     f"{r['lanes_over_raw']:>7.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} {r['memcpy_gb_s']:>7.2f} "
+                     f"{r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
     lines += ["", "one stream, medians in ms per request:",
-              f"{'page':>8} {'kvxferd':>8} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9}",
-              f"{'':>8} {'client':>8} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9}"]
+              f"{'page':>8} {'kvxferd':>8} {'read':>7} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9}",
+              f"{'':>8} {'client':>8} {'call':>7} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9}"]
     for r in rows:
-        lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['daemon_rpc_to_post_ms']:>9.2f} "
-                     f"{r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} {r['raw_post_ms']:>9.2f}")
+        lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['read_call_ms']:>7.2f} "
+                     f"{r['daemon_rpc_to_post_ms']:>9.2f} {r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} "
+                     f"{r['raw_post_ms']:>9.2f}")
+    if any(r["small_read_whole_ms"] for r in rows):
+        lines += ["", "another engine's one-block read, sent 1 ms into a large read (median ms):",
+                  f"{'page':>8} {'whole':>8} {'lanes':>8}"]
+        for r in rows:
+            lines.append(f"{r['page_kib']:>5}KiB {r['small_read_whole_ms']:>8.2f} {r['small_read_lanes_ms']:>8.2f}")
     return "\n".join(lines)
 
 
