@@ -157,7 +157,15 @@ class Daemon:
             self._drain_notifications()
             self.reads.poll(time.monotonic())
             if self.reads.busy:
-                await asyncio.sleep(self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s))
+                wait = self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s)
+                if wait <= 0:
+                    await asyncio.sleep(0)
+                    continue
+                self._wake.clear()  # a lane's slice posted (or a new READ) wakes it sooner
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                except TimeoutError:
+                    pass
                 continue
             wait = self.pace.idle_wait(time.monotonic(), bool(self.holds.held))
             if wait == SPIN:

@@ -19,7 +19,9 @@ agent, after the data is in place, so a prefill engine never frees blocks a slic
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,8 +44,13 @@ class Lane:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-lane{index}")
 
     def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-             peer: str) -> Future[XferHandle]:
-        return self._thread.submit(self.nixl.read_rows, local, local_mem, remote, remote_mem, peer)
+             peer: str, on_posted: Callable[[], None]) -> Future[XferHandle]:
+        """Post on this lane's thread; `on_posted` then runs on the calling event loop (with CMA
+        the slice is DONE by then, so the loop need not spin for it)."""
+        loop = asyncio.get_running_loop()
+        posting = self._thread.submit(self.nixl.read_rows, local, local_mem, remote, remote_mem, peer)
+        posting.add_done_callback(lambda _: loop.call_soon_threadsafe(on_posted))
+        return posting
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

@@ -80,9 +80,10 @@ class Transfer:
         """Something NIXL moves for this read may still be running."""
         return bool(self.handles or self.slices)
 
-    def post(self, route: Route, nixl: NixlDriver, lanes: Lanes) -> int:
-        """Post a READ per remote rank this request reads (split across lanes when large),
-        notify the rest; returns notifications.
+    def post(self, route: Route, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
+        """Post a READ per remote rank this request reads (split across lanes when large,
+        `on_sliced` running on the loop as each slice's post returns), notify the rest; returns
+        notifications.
 
         Raises StaleRoute when NIXL refused the first READ (nothing posted), TransferError when
         it refused a later one (some READs are running).
@@ -100,7 +101,7 @@ class Transfer:
                 link = route.links[rank]
                 notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
                 if split:
-                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, lanes, split)
+                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, lanes, split, on_sliced)
                     self.notify_after.append(notif)
                 else:
                     self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
@@ -118,13 +119,14 @@ class Transfer:
         return len(plan.targets)
 
     def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str, lanes: Lanes,
-                     k: int) -> None:
+                     k: int, on_sliced: Callable[[], None]) -> None:
         """One remote rank's descriptor pairs in `k` contiguous slices, slice i on lane i."""
         er = self.engine
         for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
             rows_l = local_rows(pp, local, er.region_addr, er.device)
             rows_r = remote_rows(pp, remote, link.remote_region_addr, link.remote_device)
-            self.slices.append(SliceRead(lane, lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent)))
+            self.slices.append(SliceRead(lane, lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent,
+                                                         on_sliced)))
 
     def poll(self, nixl: NixlDriver) -> bool:
         """True once every READ is DONE; TransferError when NIXL reports one failed."""
@@ -248,7 +250,7 @@ class Reads:
         if t.engine.closing:  # unregistered while the handshake ran: nothing to post, the peer is fine
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
-        notifications = t.post(route, self._nixl, self._lanes)
+        notifications = t.post(route, self._nixl, self._lanes, self._on_posted)
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
                                    len(t.slices))
         if t.running:
@@ -362,8 +364,8 @@ class Reads:
         """
         wait = interval_s
         for t in self._in_flight.values():
-            if not t.running:
-                continue
+            if not t.handles:
+                continue  # nothing posted here; a split read's lanes wake the loop as slices are posted
             for edge in (t.posted_at, t.posted_at + t.nbytes / self._rate):
                 if edge - spin_s <= now <= edge + spin_s:
                     return 0.0
