@@ -33,7 +33,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Posting lanes (lanes.py): a read of at least 2 x lane_split_bytes is split across up to
     # `lanes` extra NIXL agents, each posting its slice from its own thread. 0: no lanes.
     lanes: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
-    lane_split_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 8 << 20
+    lane_split_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 16 << 20
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

@@ -10,11 +10,12 @@ it, so one agent moves one stream at a time, and the event loop that posts it st
 whole copy. Each lane is its own NIXL agent (its own UCX worker) driven by its own thread;
 NIXL releases the GIL in its calls, so slices copy in parallel and the loop stays free.
 
-A lane's agent is created in NIXL's strict thread mode: the lane thread posts, the loop thread
-registers memory, adds peers, checks states and releases handles, and NIXL serializes them.
-Lanes read into memory the daemon's agent registered too; they register every engine rank
-and learn every peer the daemon's agent does. Notifications always come from the daemon's
-agent, after the data is in place, so a prefill engine never frees blocks a slice still reads.
+A lane's agent is created in NIXL's strict thread mode: the lane thread loads peers and posts,
+the loop thread registers memory, checks states and releases handles, and NIXL serializes them.
+Lanes read into memory the daemon's agent registered too: they register every engine rank.
+They load a peer's metadata on first use, from the handshake the daemon's agent made.
+Notifications always come from the daemon's agent, after the data is in place, so a prefill
+engine never frees blocks a slice still reads.
 """
 
 from __future__ import annotations
@@ -36,21 +37,47 @@ LaneRegistrations = list[list[Registration]]  # per lane, one registration per b
 
 
 class Lane:
-    """One extra NIXL agent and the one thread that posts on it."""
+    """One extra NIXL agent and the one thread that posts on it.
+
+    Peers are loaded on the lane's thread before its first slice for them (a handshake does
+    not wait for the lanes), and forgotten there too: `_known` is the thread's alone.
+    """
 
     def __init__(self, index: int, driver: NixlDriver) -> None:
         self.index = index
         self.nixl = driver
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-lane{index}")
+        self._known: set[str] = set()  # peer agents loaded into this lane's agent
 
     def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-             peer: str, on_posted: Callable[[], None]) -> Future[XferHandle]:
+             peer: str, metadata: bytes, on_posted: Callable[[], None]) -> Future[XferHandle]:
         """Post on this lane's thread; `on_posted` then runs on the calling event loop (with CMA
         the slice is DONE by then, so the loop need not spin for it)."""
         loop = asyncio.get_running_loop()
-        posting = self._thread.submit(self.nixl.read_rows, local, local_mem, remote, remote_mem, peer)
+        posting = self._thread.submit(self._post, local, local_mem, remote, remote_mem, peer, metadata)
         posting.add_done_callback(lambda _: loop.call_soon_threadsafe(on_posted))
         return posting
+
+    def _post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
+              peer: str, metadata: bytes) -> XferHandle:
+        if peer not in self._known:
+            try:
+                self.nixl.add_peer(metadata)
+            except Exception as exc:
+                raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
+            self._known.add(peer)
+        return self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
+
+    def forget(self, peer: str) -> None:
+        self._thread.submit(self._forget, peer)
+
+    def _forget(self, peer: str) -> None:
+        if peer in self._known:
+            self._known.discard(peer)
+            try:
+                self.nixl.remove_peer(peer)
+            except Exception as exc:  # gone already: nothing to undo
+                log.debug("lane %d: removing peer %s: %s", self.index, peer, exc)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -93,7 +120,6 @@ class Lanes:
         self.split_bytes = split_bytes
         self.lanes = [Lane(i, NixlDriver(f"{name}-lane{i}", backends, telemetry=False, progress_thread=False,
                                          shared=True)) for i in range(count)]
-        self._peers: dict[str, int] = {}  # peer agent -> how many of the daemon's peers use it
 
     def slices(self, nbytes: int) -> int:
         """How many lanes a read of `nbytes` is split across; 0: post it whole on the daemon's agent."""
@@ -121,25 +147,10 @@ class Lanes:
             for reg in regs:
                 lane.nixl.deregister(reg)
 
-    def add_peer(self, agent: str, metadata: bytes) -> None:
-        """A peer daemon's agent, as the daemon's agent just loaded it (counted: several remote
-        engines may live behind one peer daemon)."""
-        if agent not in self._peers:
-            for lane in self.lanes:
-                lane.nixl.add_peer(metadata)
-        self._peers[agent] = self._peers.get(agent, 0) + 1
-
     def remove_peer(self, agent: str) -> None:
-        left = self._peers.get(agent, 0) - 1
-        if left > 0:
-            self._peers[agent] = left
-            return
-        self._peers.pop(agent, None)
+        """The daemon's agent dropped a peer: each lane drops it too, after what it has queued."""
         for lane in self.lanes:
-            try:
-                lane.nixl.remove_peer(agent)
-            except Exception as exc:  # already gone from this lane: nothing to undo
-                log.debug("lane %d: removing peer %s: %s", lane.index, agent, exc)
+            lane.forget(agent)
 
     def close(self) -> None:
         for lane in self.lanes:

@@ -50,6 +50,7 @@ class Peer:
     port: int
     ready: asyncio.Future[None]
     agent: str = ""
+    metadata: bytes = b""  # the peer daemon's NIXL agent metadata, from the handshake
     ranks: dict[int, hs.RankInfo] = field(default_factory=dict)
     since: float = 0.0  # wall time of the handshake
     handshake_s: float = 0.0
@@ -145,7 +146,7 @@ class Peers:
             for r in ranks.values():
                 validate(r.geometry)
             peer.agent = self._nixl.add_peer(reply.metadata)
-            self._lanes.add_peer(peer.agent, reply.metadata)
+            peer.metadata = reply.metadata  # posting lanes load it on first use
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
             self._recorder.peers_now(len(self._peers))

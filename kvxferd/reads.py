@@ -101,7 +101,8 @@ class Transfer:
                 link = route.links[rank]
                 notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
                 if split:
-                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, lanes, split, on_sliced)
+                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
+                                      split, on_sliced)
                     self.notify_after.append(notif)
                 else:
                     self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
@@ -118,15 +119,15 @@ class Transfer:
         self.posted_at = time.monotonic()
         return len(plan.targets)
 
-    def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str, lanes: Lanes,
-                     k: int, on_sliced: Callable[[], None]) -> None:
+    def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str,
+                     metadata: bytes, lanes: Lanes, k: int, on_sliced: Callable[[], None]) -> None:
         """One remote rank's descriptor pairs in `k` contiguous slices, slice i on lane i."""
         er = self.engine
         for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
             rows_l = local_rows(pp, local, er.region_addr, er.device)
             rows_r = remote_rows(pp, remote, link.remote_region_addr, link.remote_device)
             self.slices.append(SliceRead(lane, lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent,
-                                                         on_sliced)))
+                                                         metadata, on_sliced)))
 
     def poll(self, nixl: NixlDriver) -> bool:
         """True once every READ is DONE; TransferError when NIXL reports one failed."""
