@@ -159,7 +159,7 @@ def bench_control(
 
 
 @bench_app.command("step")
-def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer.Option(5000)) -> None:
+def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer.Option(2000)) -> None:
     """The vLLM worker's cost per scheduler step when nothing finishes, vs a poll RPC per step."""
     from .benchmarks import step
 

@@ -18,6 +18,7 @@ SMALL_SPLIT = str(64 << 10)  # a read of 128 KiB or more is split
 
 @pytest.fixture
 def small_split(monkeypatch):
+    monkeypatch.setenv("KVXFERD_LANES", "2")
     monkeypatch.setenv("KVXFERD_LANE_SPLIT_BYTES", SMALL_SPLIT)
 
 

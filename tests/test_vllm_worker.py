@@ -87,3 +87,4 @@ def test_daemon_restart_while_idle_reregisters_and_reholds(tmp_path):
     finally:
         w.close()
         d2.stop()
+

@@ -5,7 +5,7 @@
   raw NIXL  a reader process and a target process driving nixl._api directly, configured as
             kvxferd configures its agent (no NIXL progress thread; the target progresses
             every millisecond, the reader busy-polls its transfer)
-  lanes     kvxferd as configured by default: a read this large split across 2 posting lanes
+  lanes     kvxferd with 2 posting lanes (`lanes = 2`): a read this large split across them
   memcpy    one process copying the same bytes, with 1 and 2 threads (this machine's limits)
 
 `--device cuda-vmm` moves GPU memory instead (engines' KV caches as CUDA VMM allocations; the
@@ -224,13 +224,14 @@ def small_reads_meanwhile(sockets: list[str], page: int, n: int, repeats: int) -
 
 
 WHOLE = {"KVXFERD_LANES": "0"}  # every read posted whole on the decode daemon's agent (one stream)
+LANES = 2  # the lanes pair: a 64 MiB read split across 2 posting lanes
 
 
 def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 5,
         device: str = "cpu", lane_split_bytes: int | None = None) -> list[dict[str, float]]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on all alike. Per page size, fresh daemons: one pair posting every read whole
-    (lanes off), one pair as configured by default (a 64 MiB read split across 2 lanes); the
+    (lanes off), one pair with 2 posting lanes (a 64 MiB read split across them); the
     whole pair's own latency figures (RPC -> READ posted, RPC -> completion) cover that page
     size alone."""
     rows: list[dict[str, float]] = []
@@ -245,7 +246,9 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
         raw2: list[float] = []
         small_whole: list[float] = []
         small_split: list[float] = []
-        laned_env = {"KVXFERD_LANE_SPLIT_BYTES": str(lane_split_bytes)} if lane_split_bytes else {}
+        laned_env = {"KVXFERD_LANES": str(LANES)}
+        if lane_split_bytes:
+            laned_env["KVXFERD_LANE_SPLIT_BYTES"] = str(lane_split_bytes)
         with ExitStack() as stack:
             with environment(WHOLE):  # only while the one-stream pair starts
                 one_stream = stack.enter_context(daemons(2))

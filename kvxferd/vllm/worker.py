@@ -3,8 +3,7 @@
     register_kv_caches -> KV moved into shareable memory (shared_kv), described (layout),
                           registered with the daemon (fds over the Unix socket)
     each step:  orders from the scheduler -> hold / read / release RPCs
-                poll (only while something is pending and the daemon rang the doorbell, an
-                eventfd it signals when completions wait) -> finished sending / receiving,
+                poll (only while something is pending) -> finished sending / receiving,
                 failed reads' block ids -> vLLM's kv_load_failure_policy
 
 The daemon can restart under a running engine. A watcher thread notices (the socket reads
@@ -81,7 +80,7 @@ class WorkerSide:
             return False
         try:
             memory = [MemoryHandle(b.kind, b.nbytes, b.device) for b in self.buffers]
-            side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers], doorbell=True)
+            side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers])
             for order, end in self.holds.values():
                 client.hold(order.request_id, max(0.1, end - time.monotonic()), order.block_ids)
         except (OSError, DaemonError) as exc:
@@ -152,10 +151,9 @@ class WorkerSide:
 
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
-        """Finished transfers since the last step. Polls the daemon only while something is pending
-        and the daemon rang the doorbell (a step where nothing finished costs one eventfd read)."""
+        """Finished transfers since the last step. Polls the daemon only while something is pending."""
         with self.lock:
-            if (self.reading or self.releasing or self.holds) and self.client is not None and self.client.rung():
+            if self.reading or self.releasing or self.holds:
                 self._poll()
             self._expire_orphaned_holds()
             finished, self.finished = self.finished, Finished()
