@@ -186,9 +186,14 @@ def test_truncated_frame_and_garbage(cluster):
     assert isinstance(reply, P.Error) and "engine_id" in reply.message
 
 
-def call_error(c: Cluster, msg: P.Msg, fds=()) -> DaemonError:
-    with Client(c.daemons[1].socket) as client, pytest.raises(DaemonError) as err:
-        client.call(msg, P.Ok, list(fds))
+def call_error(c: Cluster, msg: P.Msg, fds=(), as_rank: int | None = None) -> DaemonError:
+    """The error the decode daemon answers `msg` with; `as_rank`: sent on a connection attached
+    to that decode rank (it belongs to the engine's process, not this one)."""
+    with Client(c.daemons[1].socket) as client:
+        if as_rank is not None:
+            client.call(P.Attach("decode", as_rank, c.decode.call("tokens")[as_rank]), P.Ok)
+        with pytest.raises(DaemonError) as err:
+            client.call(msg, P.Ok, list(fds))
     return err.value
 
 
@@ -222,6 +227,8 @@ def test_requests_for_unknown_engines_and_bad_values(cluster):
     e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [[0]], [[0]], deadline_s=-1))
     assert "deadline_s -1" in str(e)
     e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [[0], [1]], [[0]]))
+    assert e.code == "forbidden"  # the rank is the engine process's
+    e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [[0], [1]], [[0]]), as_rank=0)
     assert "block lists for 2/1 groups" in str(e)
     e = call_error(cluster, P.Hello(99))
     assert e.code == "version"

@@ -190,6 +190,10 @@ class SyntheticEngine:
         """Forget a read without verifying it (failed reads); returns its blocks for `free`."""
         return self.reading.pop(seq)[0].blocks
 
+    def tokens(self) -> list[str]:
+        """Each rank's registration token: what another process `attach`es with to act for it."""
+        return [rank.client.token for rank in self.ranks]
+
     def pending(self) -> list[int]:
         """Completions received but never waited for, per rank (duplicates would show here)."""
         return [len(rank.pending) for rank in self.ranks]
