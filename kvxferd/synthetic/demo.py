@@ -104,10 +104,11 @@ class DaemonProcess:
     """`kvxferd serve` in its own process."""
 
     def __init__(self, workdir: Path, name: str, metrics_port: int = -1, extra: Sequence[str] = (),
-                 side_channel_port: int = 0, socket: str | None = None) -> None:
+                 side_channel_port: int = 0, socket: str | None = None, prefix: Sequence[str] = ()) -> None:
+        """`prefix` runs the daemon through another command (`ip netns exec NS`), which must exec it."""
         self.socket = socket or str(workdir / f"{name}.sock")
         self.log = open(workdir / f"{name}.log", "a")  # noqa: SIM115  (the daemon's stdout; closed in stop())
-        cmd = [sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket,
+        cmd = [*prefix, sys.executable, "-m", "kvxferd", "serve", "--socket", self.socket,
                "--side-channel-port", str(side_channel_port),
                "--metrics-port", str(metrics_port), "--name", name, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -168,7 +169,8 @@ class Cluster:
 
     def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
                  workdir: str | None = None, metrics: bool = False, device: str = "cpu",
-                 daemon_args: Sequence[str] = ()) -> None:
+                 daemon_args: Sequence[str] = (), daemons: Sequence[DaemonProcess] = ()) -> None:
+        """`daemons`: a prefill and a decode daemon already started (the cluster stops them)."""
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -181,8 +183,8 @@ class Cluster:
         self.engines: list[EngineProcess] = []
         port = 0 if metrics else -1
         try:
-            self.daemons = [DaemonProcess(self.work, "prefill-daemon", port, daemon_args),
-                            DaemonProcess(self.work, "decode-daemon", port, daemon_args)]
+            self.daemons = list(daemons) or [DaemonProcess(self.work, "prefill-daemon", port, daemon_args),
+                                             DaemonProcess(self.work, "decode-daemon", port, daemon_args)]
             self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp, device)
             self.engines.append(self.prefill)
             self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp, device)
