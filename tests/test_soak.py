@@ -1,7 +1,10 @@
 """Soak: thousands of requests through two daemons with faults mixed in; afterwards no lost
 and no duplicated completion, no held request left, bounded daemon memory growth.
 
-Short form in CI; the long form: KVXFERD_SOAK_REQUESTS=20000 python -m pytest tests/test_soak.py
+Short form in CI. The long form, with both daemons' RSS and open fds sampled to a CSV that
+bench/soak_plot.py draws (docs/soak.png):
+
+    KVXFERD_SOAK_REQUESTS=20000 KVXFERD_SOAK_SAMPLES=soak.csv python -m pytest -s tests/test_soak.py
 """
 
 import os
@@ -16,6 +19,9 @@ from kvxferd.plan.models import PRESETS
 from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 REQUESTS = int(os.environ.get("KVXFERD_SOAK_REQUESTS", "1000"))
+SAMPLES = os.environ.get("KVXFERD_SOAK_SAMPLES")
+SAMPLE_EVERY = 100  # requests
+RSS_BOUND_MB, FD_BOUND = 64, 16  # growth allowed from the first sample after warm-up to the end
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=512, layers=2)
 
 # kind -> (decode outcome, prefill outcome) each must end in
@@ -36,6 +42,36 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Sampler:
+    """RSS and open fds of both daemons, every SAMPLE_EVERY requests."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int, int, float, int, float, int]] = []
+        self.t0 = time.monotonic()
+
+    def sample(self, c: Cluster, seq: int, generation: int) -> None:
+        p, d = c.daemons[0].proc.pid, c.daemons[1].proc.pid
+        self.rows.append((round(time.monotonic() - self.t0, 2), seq, generation, rss_mb(p), open_fds(p),
+                          rss_mb(d), open_fds(d)))
+
+    def growth(self, column: int) -> float:
+        """Last sample minus the first after warm-up: the second of the daemon's life (the first is
+        taken before it served anything); the prefill daemon's life begins at its last restart."""
+        last = self.rows[-1]
+        life = [r for r in self.rows if r[2] == last[2]] if column in (3, 4) else self.rows
+        return last[column] - life[1][column]
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write("seconds,request,prefill_generation,prefill_rss_mb,prefill_fds,decode_rss_mb,decode_fds\n")
+            for row in self.rows:
+                f.write(",".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row) + "\n")
+
+
 def restart_prefill(c: Cluster, generation: int) -> None:
     """Kill the prefill daemon and engine (SIGKILL) and bring both back on the same port."""
     c.prefill.proc.kill()
@@ -50,17 +86,19 @@ def test_soak():
     rng = random.Random(1234)
     outcomes = Counter()
     deferred: list[tuple[int, set]] = []  # (seq, allowed prefill outcomes), checked at the end
-    restarts = {REQUESTS // 2}
+    restarts = set(range(5000, REQUESTS, 5000)) or {REQUESTS // 2}
+    sampler = Sampler()
+    generation = 0
     with Cluster(SHAPE, 2, 4) as c:
-        rss = {}
         t0 = time.monotonic()
         for seq in range(REQUESTS):
             if seq in restarts:
                 outcomes["prefill_holds_lost_with_restart"] += len(deferred)  # the old engine's holds
                 deferred.clear()
+                generation += 1
                 restart_prefill(c, seq)
-            if seq == 100:
-                rss = {"decode": rss_mb(c.daemons[1].proc.pid)}
+            if seq % SAMPLE_EVERY == 0:
+                sampler.sample(c, seq, generation)
             kind = rng.choice(MIX)
             tokens = rng.randint(1, 300)
             if kind == "normal":
@@ -112,8 +150,14 @@ def test_soak():
         assert c.decode.call("pending") == [0, 0, 0, 0], "a read completed twice"
         p, d = c.status(0), c.status(1)
         assert p.held == [] and d.in_flight == [] and d.quarantined == 0
-        rss["decode_end"] = rss_mb(c.daemons[1].proc.pid)
-        growth = rss["decode_end"] - rss["decode"]
-        print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s, outcomes {dict(outcomes)}, decode daemon RSS "
-              f"{rss['decode']:.0f} -> {rss['decode_end']:.0f} MB")
-        assert growth < 64, f"decode daemon grew {growth:.0f} MB over the soak"
+        sampler.sample(c, REQUESTS, generation)
+        if SAMPLES:
+            sampler.write(SAMPLES)
+        first, last = sampler.rows[1], sampler.rows[-1]
+        print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s, outcomes {dict(outcomes)}; decode daemon RSS "
+              f"{first[5]:.0f} -> {last[5]:.0f} MB, fds {first[6]} -> {last[6]}; prefill daemon (since its last "
+              f"restart) RSS {sampler.growth(3):+.0f} MB, fds {sampler.growth(4):+.0f}")
+        for name, column, bound in (("decode RSS (MB)", 5, RSS_BOUND_MB), ("decode fds", 6, FD_BOUND),
+                                    ("prefill RSS (MB)", 3, RSS_BOUND_MB), ("prefill fds", 4, FD_BOUND)):
+            grown = sampler.growth(column)
+            assert grown < bound, f"{name} grew {grown:.0f} over the soak (bound {bound})"
