@@ -10,14 +10,15 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
+import matplotlib.pyplot as plt  # after choosing the headless backend
 
 
 def main(src: str, dst: str) -> None:
     with open(src) as f:
         rows = list(csv.DictReader(f))
     req = [int(r["request"]) for r in rows]
-    restarts = [req[i] for i in range(1, len(rows)) if rows[i]["prefill_generation"] != rows[i - 1]["prefill_generation"]]
+    generation = [r["prefill_generation"] for r in rows]
+    restarts = [req[i] for i in range(1, len(rows)) if generation[i] != generation[i - 1]]
     fig, (ax_rss, ax_fds) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for side, style in (("decode", "-"), ("prefill", "--")):
         ax_rss.plot(req, [float(r[f"{side}_rss_mb"]) for r in rows], style, label=f"{side} daemon")

@@ -187,6 +187,17 @@ def bench_handshake(as_json: bool = typer.Option(False, "--json"), peers: int = 
                else handshake.render(rows))
 
 
+@bench_app.command("integrity")
+def bench_integrity(as_json: bool = typer.Option(False, "--json"), repeats: int = typer.Option(7),
+                    mib: list[int] = typer.Option([], "--mib", help="MiB per request (repeatable); default 4, 64, 256.")
+                    ) -> None:
+    """What the KV integrity audit costs: digest GB/s vs memcpy, added latency per request."""
+    from .benchmarks import integrity
+
+    result = integrity.run(mib or [4, 64, 256], repeats)
+    typer.echo(json.dumps(result, indent=2) if as_json else integrity.render(result))
+
+
 @bench_app.command("footprint")
 def bench_footprint(as_json: bool = typer.Option(False, "--json")) -> None:
     """Daemon RSS idle and with a 70B-class layout registered and planned."""
@@ -232,6 +243,8 @@ def serve(
     backend: list[str] | None = typer.Option(None, "--backend", help="NIXL backend (repeatable)."),
     ucx: list[str] | None = typer.Option(None, "--ucx", help="UCX option KEY=VALUE (repeatable)."),
     handshake_timeout: float | None = typer.Option(None, "--handshake-timeout"),
+    integrity_audit: bool | None = typer.Option(None, "--integrity-audit/--no-integrity-audit",
+                                                help="Digest held blocks and check every read against them."),
     curve_secret_key: str | None = typer.Option(None, "--curve-secret-key", help="CurveZMQ keypair file."),
     curve_authorized_keys: str | None = typer.Option(None, "--curve-authorized-keys",
                                                         help="Directory of peers' public keys."),
@@ -252,6 +265,7 @@ def serve(
                    side_channel_host=side_channel_host, side_channel_port=side_channel_port,
                    advertise_host=advertise_host, metrics_host=metrics_host, metrics_port=metrics_port,
                    backends=backend or None, handshake_timeout_s=handshake_timeout, name=name,
+                   integrity_audit=integrity_audit,
                    curve_secret_key_file=curve_secret_key, curve_authorized_keys_dir=curve_authorized_keys,
                    allowed_uids=allowed_uid or None,
                    ucx=dict(kv.split("=", 1) for kv in ucx) if ucx else None,

@@ -188,13 +188,13 @@ class Requests:
     def attach(self, token: str) -> P.Attach:
         return P.Attach(self.engine_id, self.rank, token)
 
-    def hold(self, request_id: str, lease_s: float, block_ids: BlockLists) -> P.Hold:
-        return P.Hold(self.engine_id, self.rank, request_id, lease_s, _blocks(block_ids))
+    def hold(self, request_id: str, lease_s: float, block_ids: BlockLists, digest: bool | None = None) -> P.Hold:
+        return P.Hold(self.engine_id, self.rank, request_id, lease_s, _blocks(block_ids), digest)
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
-             remote_blocks: BlockLists, deadline_s: float) -> P.Read:
+             remote_blocks: BlockLists, deadline_s: float, audit: bool | None = None) -> P.Read:
         return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, _blocks(local_blocks),
-                      _blocks(remote_blocks), deadline_s)
+                      _blocks(remote_blocks), deadline_s, audit)
 
     def poll(self, wait_s: float, max_items: int) -> P.Poll:
         return P.Poll(self.engine_id, self.rank, wait_s, max_items)
@@ -268,13 +268,14 @@ class EngineClient:
     def unregister(self) -> None:
         self.rpc.call(self.requests.unregister(), P.Ok)
 
-    def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = ()) -> None:
-        self.rpc.call(self.requests.hold(request_id, lease_s, block_ids), P.Ok)
+    def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = (),
+             digest: bool | None = None) -> None:
+        self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest), P.Ok)
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
-             remote_blocks: BlockLists, deadline_s: float = 30.0) -> None:
-        self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks, deadline_s),
-                      P.Ok)
+             remote_blocks: BlockLists, deadline_s: float = 30.0, audit: bool | None = None) -> None:
+        self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks, deadline_s,
+                                         audit), P.Ok)
 
     def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions, timeout=wait_s + 30).items
@@ -331,13 +332,14 @@ class AsyncEngineClient:
     async def unregister(self) -> None:
         await self.rpc.call(self.requests.unregister(), P.Ok)
 
-    async def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = ()) -> None:
-        await self.rpc.call(self.requests.hold(request_id, lease_s, block_ids), P.Ok)
+    async def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = (),
+                   digest: bool | None = None) -> None:
+        await self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest), P.Ok)
 
     async def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
-                   remote_blocks: BlockLists, deadline_s: float = 30.0) -> None:
+                   remote_blocks: BlockLists, deadline_s: float = 30.0, audit: bool | None = None) -> None:
         await self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks,
-                                               deadline_s), P.Ok)
+                                               deadline_s, audit), P.Ok)
 
     async def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return (await self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions)).items

@@ -39,6 +39,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake
     curve_server_key_file: str = ""  # public key peers' servers present; default: our own
     handshake_timeout_s: float = 5.0
+    # KV integrity audit (integrity.py): as prefill, digest every held request's blocks; as
+    # decode, check every read against the prefill's digests before reporting it received.
+    # A hold's `digest` and a read's `audit` override it per request.
+    integrity_audit: bool = False
     max_lease_s: float = 600.0
     max_deadline_s: float = 600.0
     poll_interval_s: float = 0.001  # longest sleep between polls while reads are in flight

@@ -3,7 +3,7 @@
     engine ─► rpc (Unix socket) ─► Daemon._dispatch ─► engines   registration, lookup, release
                                                      ├► holds     prefill: holds, notifications, leases
                                                      └► reads     decode: reads ─► peers (handshake, routes)
-    peer daemon ─► handshake server ─► holds.answer_handshake
+    peer daemon ─► side channel ─► holds.answer_handshake, holds.answer_audit (integrity audit)
     every component ─► recorder (Prometheus, status counters, recent windows)
 
 Each component owns its state; the daemon hands each only what it needs and owns the tasks
@@ -78,11 +78,12 @@ class Daemon:
                                        cfg.curve_server_key_file)
         self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
         self.engines = Engines(self.nixl, self.recorder, self.lanes)
-        self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s)
+        self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit)
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes)
-        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set)
+        self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
+                           cfg.integrity_audit)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
-                                            self._answer_handshake, self.curve)
+                                            self._answer_side_channel, self.curve)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
         group = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         self.unix_sock, accept = await serve_unix(cfg.socket_path, self._on_connect, self._on_frame,
@@ -204,7 +205,9 @@ class Daemon:
             self.peers.forget_engine(er.key)  # its prepared lists go before its memory
             self.engines.release(er)
 
-    def _answer_handshake(self, req: hs.HandshakeRequest) -> hs.HandshakeReply:
+    def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply:
+        if isinstance(req, hs.AuditRequest):
+            return self.holds.answer_audit(req)
         self.pace.active(time.monotonic())  # a peer is about to read our memory
         self._wake.set()
         return self.holds.answer_handshake(req)

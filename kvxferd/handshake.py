@@ -3,8 +3,11 @@
 The decode daemon asks the prefill daemon for an engine's ranks; the answer carries the
 NIXL agent metadata and, per rank, the compatibility hash, the geometry and the buffer
 addresses. Every READ then carries a `Notification` telling the prefill daemon which held
-request a consumer has finished. Payloads are msgspec msgpack (never pickle); every wait
-has a deadline.
+request a consumer has finished. An audited read asks, before it is reported, for the
+digests of the rows it read (`AuditRequest`, integrity.py). Payloads are msgspec msgpack
+(never pickle); every wait has a deadline.
+
+Side-channel version 2 tags requests (`"kind": "handshake" | "audit"`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import zmq
@@ -23,8 +26,9 @@ from msgspec import Meta
 from .plan.geometry import Geometry
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
 MAX_MESSAGE = 256 << 20
+MAX_AUDIT_ROWS = 4 << 20
 
 
 HandshakeFailure = Literal["timeout", "unreachable", "malformed", "refused", "invalid"]
@@ -38,10 +42,30 @@ class HandshakeError(RuntimeError):
         self.reason = reason
 
 
-class HandshakeRequest(msgspec.Struct, forbid_unknown_fields=True):
+class HandshakeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="handshake"):
     version: int
     engine_id: Name
     requester: str = ""
+
+
+class AuditRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="audit"):
+    """Digests of the rows a consumer read from one held request of one prefill rank.
+
+    `rows`: little-endian int64 pairs (address, length) in the prefill daemon's mapping,
+    as the consumer's READ named them."""
+
+    version: int
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
+    rows: Annotated[bytes, Meta(max_length=MAX_AUDIT_ROWS * 16)]
+
+
+class AuditReply(msgspec.Struct):
+    ok: bool
+    reason: str = ""
+    digests: bytes = b""  # little-endian uint64, one per row asked about
+    reused: list[list[int]] = []  # per cache group: held blocks whose bytes changed since the hold
 
 
 class RankInfo(msgspec.Struct):
@@ -84,8 +108,9 @@ def decode_notification(data: bytes) -> Notification | None:
         return None
 
 
-_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -151,17 +176,19 @@ def generate_keys(directory: str, name: str = "kvxferd") -> tuple[str, str]:
     return zmq.auth.create_certificates(directory, name)
 
 
-Answer = Callable[[HandshakeRequest], HandshakeReply]
+SideRequest = HandshakeRequest | AuditRequest
+SideReply = HandshakeReply | AuditReply
+Answer = Callable[[SideRequest], SideReply]
 
 
 class HandshakeServer:
-    """ROUTER socket answering handshake requests with `answer(request) -> reply`."""
+    """ROUTER socket answering handshake and audit requests with `answer(request) -> reply`."""
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer: Answer,
                  curve: CurveKeys | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_AUDIT_ROWS * 16 + 4096)  # audits name their rows
         self.auth = None
         if curve is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
@@ -196,10 +223,11 @@ class HandshakeServer:
             parts = await self.sock.recv_multipart()
             if len(parts) != 3 or parts[1] != b"":
                 continue  # not a REQ socket's envelope: nothing to answer
+            reply: SideReply
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
             except DECODE_ERRORS as exc:
-                reply = HandshakeReply(False, f"malformed handshake request: {exc}")
+                reply = HandshakeReply(False, f"malformed side-channel request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
                 reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")
             await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
@@ -215,6 +243,22 @@ class HandshakeServer:
 async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str, timeout_s: float,
                   requester: str = "", curve: CurveKeys | None = None) -> HandshakeReply:
     """Ask the daemon at host:port for engine_id's ranks; raise HandshakeError on any failure."""
+    reply = await _ask(ctx, host, port, HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester), timeout_s,
+                       _reply_decoder, curve)
+    if not reply.ok:
+        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {reply.reason}")
+    return reply
+
+
+async def audit(ctx: zmq.asyncio.Context, host: str, port: int, req: AuditRequest, timeout_s: float,
+                curve: CurveKeys | None = None) -> AuditReply:
+    """Ask the daemon at host:port for an audit; HandshakeError when no answer comes."""
+    return await _ask(ctx, host, port, req, timeout_s, _audit_reply_decoder, curve)
+
+
+async def _ask(ctx: zmq.asyncio.Context, host: str, port: int, req: SideRequest, timeout_s: float,
+               decoder: msgspec.msgpack.Decoder[Any], curve: CurveKeys | None) -> Any:
+    """One request, one reply, within `timeout_s`."""
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
@@ -224,18 +268,15 @@ async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str
         sock.curve_serverkey = curve.server_public
     try:
         sock.connect(f"tcp://{host}:{port}")
-        await sock.send(_encoder.encode(HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester)))
+        await sock.send(_encoder.encode(req))
         if not await sock.poll(timeout=int(timeout_s * 1000)):
-            raise HandshakeError("timeout", f"no handshake answer from {host}:{port} within {timeout_s:g} s "
-                                            "(peer down, unreachable, or refusing our CurveZMQ key)")
+            raise HandshakeError("timeout", f"no {req.__struct_config__.tag} answer from {host}:{port} within "
+                                            f"{timeout_s:g} s (peer down, unreachable, or refusing our CurveZMQ key)")
         try:
-            reply = _reply_decoder.decode(await sock.recv())
+            return decoder.decode(await sock.recv())
         except DECODE_ERRORS as exc:
-            raise HandshakeError("malformed", f"malformed handshake answer from {host}:{port}: {exc}") from None
+            raise HandshakeError("malformed", f"malformed answer from {host}:{port}: {exc}") from None
     except zmq.ZMQError as exc:
-        raise HandshakeError("unreachable", f"handshake with {host}:{port} failed: {exc}") from None
+        raise HandshakeError("unreachable", f"side channel to {host}:{port} failed: {exc}") from None
     finally:
         sock.close(0)
-    if not reply.ok:
-        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {reply.reason}")
-    return reply

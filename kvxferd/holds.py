@@ -6,6 +6,10 @@
 A consumer may finish before the engine's hold arrives; its notification waits (at most the
 longest lease) for the hold it belongs to.
 
+With the integrity audit, a hold digests its blocks' bytes as they are when held
+(integrity.py); a consumer's audit compares them again (a changed row: the block was reused)
+and digests the rows the consumer read.
+
 Housekeeping costs what expires, not what is held: leases sit in a heap by deadline (a renewal
 pushes a new entry, the stale one is skipped when it surfaces), and holds and early
 notifications are dicts in arrival order, so the oldest is the first.
@@ -19,7 +23,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import handshake as hs
+from . import integrity
 from . import protocol as P
 from .engines import EngineKey, EngineRank, Engines
 from .nixl_driver import NixlDriver
@@ -40,6 +47,7 @@ class Held:
     block_ids: list[list[int]]
     count: int = 0  # consumers that notified
     expected: int = 0  # consumers the first notification announced; 0 until then
+    digests: HeldDigests | None = None  # the blocks' bytes when held (integrity audit)
 
     @property
     def key(self) -> HoldKey:
@@ -48,6 +56,26 @@ class Held:
     @property
     def consumed(self) -> bool:
         return bool(self.expected) and self.count >= self.expected
+
+
+@dataclass(frozen=True)
+class HeldDigests:
+    """Every byte row of a held request's blocks, its cache group and block, and its digest."""
+
+    rows: np.ndarray
+    group: np.ndarray
+    block: np.ndarray
+    digests: np.ndarray
+
+    @classmethod
+    def of(cls, er: EngineRank, block_ids: list[list[int]]) -> HeldDigests:
+        rows, group, block = integrity.block_rows(er.geometry, er.region_addr, block_ids)
+        return cls(rows, group, block, integrity.digest_rows(er.mappings, rows))
+
+    def reused(self, er: EngineRank, groups: int) -> list[list[int]]:
+        """Per cache group, the blocks with a row whose bytes changed since they were digested."""
+        changed = integrity.digest_rows(er.mappings, self.rows) != self.digests
+        return [sorted({int(b) for b in self.block[changed & (self.group == g)]}) for g in range(groups)]
 
 
 @dataclass
@@ -60,8 +88,10 @@ class Early:
 
 
 class Holds:
-    def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float) -> None:
+    def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float,
+                 integrity_audit: bool = False) -> None:
         self._engines = engines
+        self._integrity_audit = integrity_audit
         self._nixl = nixl
         self._recorder = recorder
         self._max_lease_s = max_lease_s
@@ -83,6 +113,10 @@ class Holds:
         held = self._held.get(key)
         if held is None:
             held = self._held[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids)
+            if self._integrity_audit if msg.digest is None else msg.digest:
+                t0 = time.perf_counter()
+                held.digests = HeldDigests.of(er, msg.block_ids)
+                self._recorder.digested("hold", int(held.digests.rows[:, 1].sum()), time.perf_counter() - t0)
             early = self._early.pop(key, None)
             if early is not None:
                 held.count, held.expected = early.count, early.expected
@@ -172,6 +206,29 @@ class Holds:
         self._recorder.handshake_answered("ok")
         return hs.HandshakeReply(True, agent=self._nixl.name, metadata=self._nixl.metadata(),
                                  ranks=[e.rank_info() for e in ranks])
+
+    def answer_audit(self, req: hs.AuditRequest) -> hs.AuditReply:
+        """A consumer asks for the digests of the rows it read, and whether the blocks changed."""
+        if req.version != hs.HANDSHAKE_VERSION:
+            return hs.AuditReply(False, f"side-channel version {req.version} unsupported")
+        held = self._held.get((req.engine_id, req.tp_rank, req.request_id))
+        where = f"request {req.request_id!r} of engine {req.engine_id!r} rank {req.tp_rank}"
+        if held is None:
+            return hs.AuditReply(False, f"{where} is not held (its lease passed, or it was never held): "
+                                        "its blocks may have been reused")
+        if held.digests is None:
+            return hs.AuditReply(False, f"{where} was held without digests (integrity_audit is off on the "
+                                        "prefill daemon and the hold did not ask for them)")
+        if len(req.rows) % 16:
+            return hs.AuditReply(False, f"audit rows are {len(req.rows)} bytes, not whole (address, length) pairs")
+        t0 = time.perf_counter()
+        try:
+            digests = integrity.digest_rows(held.engine.mappings, np.frombuffer(req.rows, "<i8").reshape(-1, 2))
+        except integrity.AuditError as exc:
+            return hs.AuditReply(False, str(exc))
+        reused = held.digests.reused(held.engine, len(held.engine.geometry.groups))
+        self._recorder.digested("audit", int(held.digests.rows[:, 1].sum()), time.perf_counter() - t0)
+        return hs.AuditReply(True, digests=digests.astype("<u8").tobytes(), reused=reused)
 
     def status(self, now: float, limit: int) -> list[P.HoldStatus]:
         """The `limit` oldest holds."""

@@ -41,6 +41,13 @@ class Metrics:
                                    buckets=_LATENCY, registry=r)
         self.forbidden = Counter("kvxferd_forbidden_requests", "Requests naming an engine rank the connection "
                                  "may not act for, by method", ["method"], registry=r)
+        self.digested_bytes = Counter("kvxferd_digested_bytes", "Bytes digested for the integrity audit, by where "
+                                      "(hold, audit answered, read checked)", ["where"], registry=r)
+        self.digest_seconds = Histogram("kvxferd_digest_seconds", "Time digesting per hold, audit answered or read "
+                                        "checked", ["where"], buckets=_LATENCY, registry=r)
+        self.audits = Counter("kvxferd_audits", "Reads checked against the prefill's digests, by outcome "
+                              "(ok, corrupt)", ["outcome"], registry=r)
+        self.corrupt_blocks = Counter("kvxferd_corrupt_blocks", "Local blocks an audit found corrupt", registry=r)
         self.split_reads = Counter("kvxferd_split_reads", "Reads split across posting lanes", registry=r)
         self.read_slices = Counter("kvxferd_read_slices", "Slices of split reads posted on lanes", registry=r)
         self.descriptors = Histogram("kvxferd_transfer_descriptors", "Descriptors per read request", ["peer"],

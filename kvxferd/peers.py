@@ -124,6 +124,10 @@ class Peers:
             route = self.routes[(peer.key, er.key)] = self._build(peer, er)
         return route
 
+    async def audit(self, ref: P.RemoteRef, req: hs.AuditRequest, timeout_s: float) -> hs.AuditReply:
+        """Ask the peer's side channel for the digests of rows a read took from it."""
+        return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._curve)
+
     async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(peer_key(ref))

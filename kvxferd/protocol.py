@@ -80,6 +80,7 @@ class Hold(Msg, tag="hold"):
     request_id: Name
     lease_s: Seconds = 30.0
     block_ids: Blocks = []
+    digest: bool | None = None  # digest the blocks for audits; None: the daemon's integrity_audit
 
 
 class RemoteRef(msgspec.Struct, forbid_unknown_fields=True):
@@ -100,6 +101,7 @@ class Read(Msg, tag="read"):
     local_blocks: Blocks  # per cache group: the missing tail (attention) / state blocks
     remote_blocks: Blocks
     deadline_s: Seconds = 30.0
+    audit: bool | None = None  # check the bytes against the prefill's digests; None: integrity_audit
 
 
 class Batch(Msg, tag="batch"):
@@ -220,6 +222,7 @@ class Counters(msgspec.Struct):
     handshake_failures: int = 0
     unauthenticated_peers: int = 0
     forbidden: int = 0  # requests naming a rank from a connection that may not act for it
+    integrity_failures: int = 0  # audited reads whose bytes did not match the prefill's digests
 
 
 class Percentiles(msgspec.Struct, omit_defaults=True):

@@ -7,6 +7,11 @@
 A read large enough is split across posting lanes (lanes.py): its slices are posted from the
 lanes' threads, and its consumers are notified once every slice is DONE.
 
+An audited read (integrity.py), once DONE, digests the rows that arrived and asks the prefill
+daemon for its digests of the same rows; its consumers are notified, and it is reported
+`received`, only when every row matches and no block was reused; otherwise it fails
+"integrity" with the local blocks that hold wrong bytes.
+
 Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
 deadline is reported failed and its handles are quarantined, polled until they end, and the
 engine memory they touch stays mapped and registered until then. A transfer uses its engine
@@ -27,12 +32,13 @@ import msgspec
 import numpy as np
 
 from . import handshake as hs
+from . import integrity
 from . import protocol as P
 from .engines import EngineRank
 from .lanes import Lanes, SliceRead
 from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
 from .peers import Link, Peer, Peers, Route
-from .plan.descriptors import RequestBlocks, local_rows, remote_rows, request_indices
+from .plan.descriptors import RequestBlocks, local_rows, remote_rows, request_chunks, request_indices, row_blocks
 from .plan.geometry import GeometryError
 from .plan.planner import PeerPlan, PlanError
 from .protocol import RequestError
@@ -66,6 +72,8 @@ class Transfer:
     nbytes: int = 0
     descriptors: int = 0
     done: bool = False
+    audit: bool = False  # check the bytes against the prefill's digests before `received`
+    audited: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (rank, local, remote ids)
 
     @property
     def key(self) -> ReadKey:
@@ -100,9 +108,14 @@ class Transfer:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
                 notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
+                if self.audit:
+                    self.audited.append((rank, lids, rids))
                 if split:
                     self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
                                       split, on_sliced)
+                    self.notify_after.append(notif)
+                elif self.audit:  # consumers are told once the bytes are checked
+                    self.handles.append(nixl.read(link.local, lids, link.remote, rids, b""))
                     self.notify_after.append(notif)
                 else:
                     self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
@@ -179,6 +192,10 @@ class Transfer:
         return slowest
 
 
+class _AuditRefused(Exception):
+    """The prefill daemon could not vouch for the bytes (not held, no digests, bad rows)."""
+
+
 def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
     """Bytes a set of local descriptor ids covers (each descriptor has its piece's length)."""
     piece = np.searchsorted(pp.local_base, lids, side="right") - 1
@@ -187,8 +204,9 @@ def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
 
 class Reads:
     def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
-                 lanes: Lanes, on_posted: Callable[[], None] = lambda: None) -> None:
+                 lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False) -> None:
         self._nixl = nixl
+        self._integrity_audit = integrity_audit
         self._lanes = lanes
         self._peers = peers
         self._routes = peers.routes  # read only: the fast path's lookup
@@ -211,7 +229,8 @@ class Reads:
             raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
                                               f"groups; the geometry has {groups}")
         now = time.monotonic()
-        t = Transfer(er, msg, received_at, now, now + msg.deadline_s)
+        t = Transfer(er, msg, received_at, now, now + msg.deadline_s,
+                     audit=self._integrity_audit if msg.audit is None else msg.audit)
         self._in_flight[t.key] = t
         ref = msg.remote
         route = self._routes.get(((ref.engine_id, ref.host, ref.port), (er.engine_id, er.tp_rank)))
@@ -286,8 +305,9 @@ class Reads:
         t.engine.complete(P.Completion(t.msg.request_id, "received", [], "", t.nbytes, seconds))
         self._end(t)
 
-    def _fail(self, t: Transfer, kind: FailureKind, reason: str) -> None:
-        """The read failed: the engine learns which of its blocks hold no valid data."""
+    def _fail(self, t: Transfer, kind: FailureKind, reason: str, block_ids: list[list[int]] | None = None) -> None:
+        """The read failed: the engine learns which of its blocks hold no valid data (all of the
+        request's, unless an audit named the corrupt ones)."""
         if t.done:
             return
         t.done = True
@@ -295,7 +315,8 @@ class Reads:
         why = f"{kind}: {reason}"
         self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
             time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
-        t.engine.complete(P.Completion(t.msg.request_id, "failed", t.msg.local_blocks, why, 0, seconds))
+        t.engine.complete(P.Completion(t.msg.request_id, "failed", t.msg.local_blocks if block_ids is None
+                                       else block_ids, why, 0, seconds))
         self._end(t)
 
     def _end(self, t: Transfer) -> None:
@@ -315,6 +336,62 @@ class Reads:
         for t in list(self._in_flight.values()):
             self._fail(t, kind, why)
         return told
+
+    # --- audit ----------------------------------------------------------------
+    async def _audit(self, t: Transfer) -> None:
+        """Compare what arrived with the prefill's digests, row by row; then finish or fail."""
+        try:
+            corrupt, rows = await self._corrupt_blocks(t)
+        except hs.HandshakeError as exc:
+            self._fail(t, "integrity", f"no audit answer: {exc}")
+            return
+        except _AuditRefused as exc:
+            self._fail(t, "integrity", str(exc))
+            return
+        except Exception as exc:
+            self._fail_on(t, exc)
+            return
+        if t.done:  # failed meanwhile (engine gone, shutdown)
+            return
+        self._recorder.audit_ended(sum(len(b) for b in corrupt))
+        if rows:
+            self._fail(t, "integrity", f"{rows} rows differ from the prefill's digests, in local blocks "
+                                       f"{corrupt}", corrupt)
+            return
+        t.notify_consumers(self._nixl)
+        self._finish(t)
+
+    async def _corrupt_blocks(self, t: Transfer) -> tuple[list[list[int]], int]:
+        """Per cache group, the local blocks with a row that differs; and how many rows differ."""
+        assert t.route is not None
+        er, ref, plan = t.engine, t.msg.remote, t.route.plan
+        chunks = request_chunks(plan, RequestBlocks.of(t.msg.num_tokens, t.msg.local_blocks, t.msg.remote_blocks))
+        corrupt: list[set[int]] = [set() for _ in er.geometry.groups]
+        wrong_rows = 0
+        for rank, lids, rids in t.audited:
+            pp, link = plan.peers[rank], t.route.links[rank]
+            t0 = time.perf_counter()
+            local = local_rows(pp, lids, er.region_addr)
+            ours = integrity.digest_rows(er.mappings, local)
+            self._recorder.digested("read", int(local[:, 1].sum()), time.perf_counter() - t0)
+            remote = np.ascontiguousarray(remote_rows(pp, rids, link.remote_region_addr)[:, :2]).astype("<i8")
+            reply = await self._peers.audit(ref, hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank,
+                                                                  ref.request_id, remote.tobytes()),
+                                            max(t.deadline - time.monotonic(), 0.001))
+            if not reply.ok:
+                raise _AuditRefused(f"prefill rank {rank} refused the audit: {reply.reason}")
+            theirs = np.frombuffer(reply.digests, "<u8")
+            if len(theirs) != len(ours):
+                raise _AuditRefused(f"prefill rank {rank} sent {len(theirs)} digests for {len(ours)} rows")
+            group, local_block, remote_block = row_blocks(plan, pp, chunks)
+            wrong = ours != theirs
+            for g, reused in enumerate(reply.reused):
+                if reused:
+                    wrong |= (group == g) & np.isin(remote_block, reused)
+            wrong_rows += int(wrong.sum())
+            for g, block in zip(group[wrong].tolist(), local_block[wrong].tolist()):
+                corrupt[g].add(block)
+        return [sorted(c) for c in corrupt], wrong_rows
 
     # --- polling --------------------------------------------------------------
     def poll(self, now: float) -> None:
@@ -342,6 +419,9 @@ class Reads:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
             t.release_all(self._nixl)
+            if t.audit:
+                asyncio.get_running_loop().create_task(self._audit(t))
+                return
             t.notify_consumers(self._nixl)
             self._finish(t)
         elif now >= t.deadline:

@@ -21,7 +21,9 @@ log = logging.getLogger("kvxferd")
 RECENT_S = 10  # the status reply's throughput window
 PEER_LABELS = 64  # distinct `peer` label values in Prometheus; later peers count as "other"
 
-FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "internal"]
+FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "integrity",
+                      "internal"]
+DigestWhere = Literal["hold", "audit", "read"]  # prefill at hold, prefill answering, decode checking
 HoldOutcome = Literal["sent", "expired", "dropped"]
 NotificationKind = Literal["consumer", "early", "unknown", "malformed"]
 RpcOutcome = Literal["ok", "error"]
@@ -102,6 +104,17 @@ class Recorder:
         log.warning("transfer failed: engine=%s rank=%d request=%s peer=%s reason=%s", failure.engine,
                     failure.rank, failure.request, peer, failure.reason,
                     extra={"fields": {f: getattr(failure, f) for f in failure.__struct_fields__}})
+
+    def digested(self, where: DigestWhere, nbytes: int, seconds: float) -> None:
+        self.metrics.digested_bytes.labels(where).inc(nbytes)
+        self.metrics.digest_seconds.labels(where).observe(seconds)
+
+    def audit_ended(self, corrupt_blocks: int) -> None:
+        """A read was checked against the prefill's digests; `corrupt_blocks` local blocks failed."""
+        self.metrics.audits.labels("corrupt" if corrupt_blocks else "ok").inc()
+        if corrupt_blocks:
+            self.counters.integrity_failures += 1
+            self.metrics.corrupt_blocks.inc(corrupt_blocks)
 
     # --- holds and notifications ----------------------------------------------
     def holds_now(self, held: int, oldest_age_s: float | None = None) -> None:

@@ -222,6 +222,27 @@ def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.n
     return np.concatenate(local_parts), np.concatenate(remote_parts)
 
 
+def row_blocks(plan: RankPlan, peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each descriptor pair `peer_indices` gives, in its order: the cache group, the local
+    block and the remote block (ids are piece-major, so a chunk's page repeats once per piece)."""
+    groups: list[np.ndarray] = []
+    local: list[np.ndarray] = []
+    remote: list[np.ndarray] = []
+    for g, cols in peer.by_group.items():
+        ch = chunks[g]
+        if not len(ch.local_page):
+            continue
+        pieces = cols.local_base.shape[0]
+        p = plan.groups[g]
+        local.append(np.tile(ch.local_page // p.local_pages_per_block, pieces))
+        remote.append(np.tile(ch.remote_page // p.remote_pages_per_block, pieces))
+        groups.append(np.full(len(local[-1]), g, dtype=np.int64))
+    if not groups:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    return np.concatenate(groups), np.concatenate(local), np.concatenate(remote)
+
+
 def _ids(base: np.ndarray, pages: np.ndarray, page: np.ndarray, phase: np.ndarray | None) -> np.ndarray:
     """base[t] + phase[q] * pages[t] + page[q], flattened piece-major. base/pages are (pieces, 1) int32.
 

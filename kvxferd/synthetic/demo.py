@@ -43,7 +43,7 @@ def _engine_main(conn: Connection[tuple[str, Any], tuple[str, tuple[Any, ...]]],
         cmd, args = conn.recv()
         try:
             if cmd == "decode":
-                args = (*args[:6], msgspec.msgpack.decode(args[6], type=ModelShape))
+                args = (*args[:6], msgspec.msgpack.decode(args[6], type=ModelShape), *args[7:])
             result = getattr(eng, cmd)(*args)
             if cmd == "verify_all":
                 result = [str(m) for m in result]

@@ -124,15 +124,26 @@ class SyntheticEngine:
             self.pool.extend(group)
 
     # --- prefill --------------------------------------------------------------
-    def prefill(self, seq: int, num_tokens: int, lease_s: float) -> tuple[tuple[int, ...], ...]:
+    def prefill(self, seq: int, num_tokens: int, lease_s: float,
+                digest: bool | None = None) -> tuple[tuple[int, ...], ...]:
         blocks = self.allocate(num_tokens)
         s = testing.Sequence(seq, num_tokens, blocks)
         for rank in self.ranks:
             testing.fill_sequence(rank.view, rank.geometry, s)
             rank.upload()
         for rank in self.ranks:
-            rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks])
+            rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks], digest)
         return blocks
+
+    def reuse(self, blocks: Sequence[Sequence[int]], seq: int) -> None:
+        """Write another prompt's state into blocks still held (what an engine that frees and
+        reuses blocks before its consumers read them does)."""
+        for rank in self.ranks:
+            for gi, group in enumerate(rank.geometry.groups):
+                if group.kind == ATTENTION and blocks[gi]:
+                    testing.write_tokens(rank.view, rank.geometry, gi, seq, blocks[gi], 0, 0,
+                                         len(blocks[gi]) * group.tokens_per_block)
+            rank.upload()
 
     def wait_released(self, seq: int, timeout_s: float) -> list[str]:
         """Wait for every rank's 'sent' or 'expired' of a prompt; return the statuses."""
@@ -140,7 +151,7 @@ class SyntheticEngine:
 
     # --- decode ---------------------------------------------------------------
     def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
-                  hit_tokens: int, deadline_s: float) -> list[list[int]]:
+                  hit_tokens: int, deadline_s: float, audit: bool | None = None) -> list[list[int]]:
         """Allocate blocks, write the locally cached prefix, ask every rank's daemon to read the rest."""
         blocks = self.allocate(num_tokens)
         s = testing.Sequence(seq, num_tokens, blocks)
@@ -155,7 +166,7 @@ class SyntheticEngine:
         local = [list(b[h:]) for b, h in zip(blocks, hit)]
         started = time.perf_counter()
         for rank in self.ranks:
-            rank.client.read(f"d-{seq}", remote, num_tokens, local, remote_blocks, deadline_s)
+            rank.client.read(f"d-{seq}", remote, num_tokens, local, remote_blocks, deadline_s, audit)
         self.reading[seq] = (s, hit, local, started)
         return local
 
@@ -165,9 +176,10 @@ class SyntheticEngine:
                 for c in (self._wait(rank, f"d-{seq}", timeout_s) for rank in self.ranks)]
 
     def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
-               hit_tokens: int, deadline_s: float, remote_shape: ModelShape) -> dict[str, Any]:
+               hit_tokens: int, deadline_s: float, remote_shape: ModelShape, audit: bool | None = None
+               ) -> dict[str, Any]:
         """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
-        local = self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s)
+        local = self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, audit)
         results = self.wait_read(seq, deadline_s + 5)
         s, hit, _, started = self.reading.pop(seq)
         latency = time.perf_counter() - started  # read calls -> every rank's completion

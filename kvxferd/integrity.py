@@ -1,0 +1,165 @@
+"""KV integrity audit: digests of byte rows, computed where the memory is.
+
+    prefill daemon                                   decode daemon
+    hold(R)  -> digest every row of R's blocks       READ ... DONE
+                (kept with the hold)                 digest the local rows that arrived
+                                     <-- audit(R, the remote rows read) --
+    re-digest R's blocks: rows changed since the
+    hold = blocks reused; digest the rows read  -->  compare row by row: a differing row, or a
+                                                     row from a reused block, makes its local
+                                                     block corrupt -> failed "integrity"
+
+The digest of a row of n bytes (zero-padded to whole 8-byte words w_0 .. w_m-1, little endian):
+
+    digest = sum_j  w_j * K_j   (mod 2**64),   K_j = (2j + 1) * 0x9E3779B97F4A7C15  (odd)
+
+Every K_j is odd, so any change to one word changes the digest, and the position weights catch
+words moved within a row. It is a multiply and a sum: numpy on host memory, the same int64
+arithmetic in torch on a GPU's memory (two's-complement wrap gives the same bits), so a CUDA
+engine's blocks are digested on their device and only 8 bytes per row cross to the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .memory import Mapping
+from .plan.geometry import ATTENTION, Geometry
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+BATCH_WORDS = 1 << 20  # gather at most this many words at once (8 MiB of index)
+
+
+class AuditError(ValueError):
+    """Rows that do not lie inside the memory they name."""
+
+
+def weights(words: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return (np.arange(words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * GOLDEN
+
+
+def digest_bytes(data: bytes | np.ndarray) -> int:
+    """The digest of one row given as bytes (the definition the vectorized paths implement)."""
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    padded = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
+    padded[:len(raw)] = raw
+    with np.errstate(over="ignore"):
+        return int((padded.view("<u8") * weights(len(padded) // 8)).sum(dtype=np.uint64))
+
+
+def _locate(mappings: Sequence[Mapping], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the index of the mapping holding it and its offset there; AuditError if none does."""
+    bases = np.array([m.address for m in mappings], dtype=np.int64)
+    ends = bases + np.array([m.nbytes for m in mappings], dtype=np.int64)
+    order = np.argsort(bases)
+    pos = np.searchsorted(bases[order], rows[:, 0], side="right") - 1
+    which = order[np.clip(pos, 0, None)]
+    bad = (pos < 0) | (rows[:, 1] < 0) | (rows[:, 0] + rows[:, 1] > ends[which])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AuditError(f"row {i} (address {int(rows[i, 0]):#x}, {int(rows[i, 1])} B) is outside the "
+                         f"engine's registered memory")
+    return which, rows[:, 0] - bases[which]
+
+
+def _host_words(m: Mapping) -> np.ndarray:
+    """A mapping's bytes as uint64 words (the tail that is not a whole word dropped)."""
+    return np.ctypeslib.as_array((ctypes.c_uint64 * (m.nbytes // 8)).from_address(m.address))
+
+
+def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
+    """uint64 digest of each (address, length) row of `rows` (N, >=2 int64), read in place."""
+    rows = np.asarray(rows, dtype=np.int64)[:, :2]
+    out = np.zeros(len(rows), dtype=np.uint64)
+    if not len(rows):
+        return out
+    which, offset = _locate(mappings, rows)
+    aligned = (offset % 8 == 0) & (rows[:, 1] % 8 == 0)
+    for i in np.flatnonzero(~aligned):  # rare: rows of odd lengths or offsets, one at a time
+        m = mappings[which[i]]
+        data = (ctypes.c_uint8 * int(rows[i, 1])).from_address(m.address + int(offset[i]))
+        out[i] = digest_bytes(bytes(data))
+    for mi, m in enumerate(mappings):
+        for length in np.unique(rows[aligned & (which == mi), 1]):
+            sel = np.flatnonzero(aligned & (which == mi) & (rows[:, 1] == length))
+            out[sel] = _digest_uniform(m, offset[sel] // 8, int(length) // 8)
+    return out
+
+
+def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarray:
+    """Digests of rows of `words` words each, starting at the given word indices of `m`."""
+    if words == 0:
+        return np.zeros(len(first_word), dtype=np.uint64)
+    if m.kind == "VRAM":
+        return _digest_uniform_torch(m, first_word, words)
+    mem = _host_words(m)
+    k = weights(words)
+    out = np.empty(len(first_word), dtype=np.uint64)
+    step = max(1, BATCH_WORDS // words)
+    with np.errstate(over="ignore"):
+        for s in range(0, len(first_word), step):
+            idx = first_word[s:s + step, None] + np.arange(words, dtype=np.int64)
+            out[s:s + step] = (mem[idx] * k).sum(axis=1, dtype=np.uint64)
+    return out
+
+
+class _CudaBytes:
+    """A device pointer as a CUDA array torch can wrap without a copy."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes // 8,), "typestr": "<i8", "data": (address, False),
+                                         "version": 3}
+
+
+def _digest_uniform_torch(m: Mapping, first_word: np.ndarray, words: int, device: Any = None) -> np.ndarray:
+    """The same digests computed by torch where the memory is (a CUDA device; or host memory in
+    tests, with `device="cpu"`). int64 multiply and sum wrap like uint64 ones, bit for bit."""
+    import torch
+
+    if device == "cpu":
+        mem = torch.from_numpy(_host_words(m).view(np.int64))
+    else:
+        mem = torch.as_tensor(_CudaBytes(m.address, m.nbytes), device=f"cuda:{m.device}")
+    k = torch.from_numpy(weights(words).view(np.int64)).to(mem.device)
+    out = np.empty(len(first_word), dtype=np.uint64)
+    step = max(1, BATCH_WORDS // words)
+    for s in range(0, len(first_word), step):
+        idx = torch.from_numpy(first_word[s:s + step]).to(mem.device)[:, None] + torch.arange(words,
+                                                                                              device=mem.device)
+        out[s:s + step] = (mem[idx] * k).sum(dim=1).cpu().numpy().view(np.uint64)
+    return out
+
+
+def block_rows(geo: Geometry, region_addr: np.ndarray, block_ids: Sequence[Sequence[int]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every byte row of the listed blocks: (rows (N, 2) [address, length], cache group, block id).
+
+    A block's bytes in group g are, for each view of g, each kernel page of the block and each
+    segment of the view, `region_addr[view.region] + page * view.page_stride + segment.offset`,
+    `segment.nbytes` long (state groups: one page per block).
+    """
+    rows: list[np.ndarray] = []
+    groups: list[np.ndarray] = []
+    blocks: list[np.ndarray] = []
+    for g, (group, listed) in enumerate(zip(geo.groups, block_ids)):
+        ids = np.asarray(listed, dtype=np.int64)
+        if not len(ids):
+            continue
+        ppb = group.pages_per_block if group.kind == ATTENTION else 1
+        pages = (ids[:, None] * ppb + np.arange(ppb)).ravel()
+        owner = np.repeat(ids, ppb)
+        for view in group.views:
+            for seg in view.segments:
+                addr = region_addr[view.region] + pages * view.page_stride + seg.offset
+                rows.append(np.stack([addr, np.full_like(addr, seg.nbytes)], axis=1))
+                groups.append(np.full(len(addr), g, dtype=np.int64))
+                blocks.append(owner)
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, 2), dtype=np.int64), empty, empty
+    return np.concatenate(rows), np.concatenate(groups), np.concatenate(blocks)

@@ -1,0 +1,150 @@
+"""KV integrity audit: the digest, the rows of a block, and real daemons catching reused blocks."""
+
+import importlib.util
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvxferd import integrity
+from kvxferd.memory import Mapping, buffer_address, create_shm
+from kvxferd.plan.models import PRESETS, build
+from kvxferd.synthetic import testing
+from kvxferd.synthetic.demo import Cluster
+
+
+def host_mapping(nbytes: int, seed: int = 0) -> tuple[Mapping, np.ndarray]:
+    fd, mm = create_shm(nbytes)
+    os.close(fd)
+    view = np.frombuffer(mm, dtype=np.uint8)
+    view[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return Mapping("DRAM", buffer_address(mm), nbytes, 0, mm), view
+
+
+def test_vectorized_digests_match_the_definition():
+    m, view = host_mapping(1 << 16)
+    rows = np.array([[m.address, 256], [m.address + 4096, 256], [m.address + 8, 4096], [m.address + 3, 13],
+                     [m.address + 100, 0], [m.address + 64, 8]], dtype=np.int64)
+    got = integrity.digest_rows([m], rows)
+    want = [integrity.digest_bytes(view[a - m.address:a - m.address + n]) for a, n in rows.tolist()]
+    assert got.tolist() == want
+    assert got[0] != got[1]  # different bytes, different digests
+
+
+def test_any_changed_word_or_swap_changes_the_digest():
+    data = np.random.default_rng(1).integers(0, 256, 512, dtype=np.uint8)
+    base = integrity.digest_bytes(data)
+    for at in (0, 7, 8, 255, 511):
+        flipped = data.copy()
+        flipped[at] ^= 0x40
+        assert integrity.digest_bytes(flipped) != base
+    words = data.view("<u8").copy()
+    words[[3, 9]] = words[[9, 3]]
+    assert words[3] == words[9] or integrity.digest_bytes(words.view(np.uint8)) != base
+
+
+def test_rows_outside_the_memory_are_refused():
+    m, _ = host_mapping(4096)
+    for row in ([m.address + 4000, 200], [m.address - 8, 8], [m.address, -1]):
+        with pytest.raises(integrity.AuditError, match="outside the engine's registered memory"):
+            integrity.digest_rows([m], np.array([row], dtype=np.int64))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_device_path_computes_the_same_digests():
+    """The torch digest (what runs on a GPU's memory) gives the numpy digest's bits, here on host memory."""
+    m, _ = host_mapping(1 << 16, seed=2)
+    first = np.array([0, 5, 100, 7000], dtype=np.int64)
+    assert (integrity._digest_uniform_torch(m, first, 32, device="cpu")
+            == integrity._digest_uniform(m, first, 32)).all()
+
+
+def test_block_rows_cover_exactly_the_blocks_bytes():
+    """Writing group 0's block 5 changes only its rows' digests; other blocks' bytes are not in them
+    (a hybrid model: attention and state groups share the buffers)."""
+    shape = msgspec.structs.replace(PRESETS["mamba2"], num_blocks=16)
+    geo = build(shape, 2, 1)
+    bufs = testing.allocate(geo)
+    maps = [Mapping("DRAM", b.ctypes.data, len(b), 0, b) for b in bufs]
+    region_addr = np.array([maps[r.buffer].address + r.offset for r in geo.regions], dtype=np.int64)
+    blocks = [[5, 9]] + [[2, 11]] * (len(geo.groups) - 1)  # groups share memory: distinct blocks per group
+    rows, group, block = integrity.block_rows(geo, region_addr, blocks)
+    assert set(block.tolist()) == {2, 5, 9, 11} and set(group.tolist()) == set(range(len(geo.groups)))
+    before = integrity.digest_rows(maps, rows)
+    covered = np.zeros(sum(len(b) for b in bufs), dtype=bool)
+    starts = np.cumsum([0] + [len(b) for b in bufs])
+    for (addr, n) in rows.tolist():
+        bi = next(i for i, m in enumerate(maps) if m.address <= addr < m.address + m.nbytes)
+        covered[starts[bi] + addr - maps[bi].address:starts[bi] + addr - maps[bi].address + n] = True
+    flat_outside = np.flatnonzero(~covered)
+    rng = np.random.default_rng(3)
+    for i in rng.choice(flat_outside, 50, replace=False):  # bytes of other blocks: no digest changes
+        bi = int(np.searchsorted(starts, i, side="right") - 1)
+        bufs[bi][i - starts[bi]] ^= 0xFF
+    assert (integrity.digest_rows(maps, rows) == before).all()
+    g0 = geo.groups[0]
+    testing.write_tokens(bufs, geo, 0, seq=99, blocks=[5], first_block=0, lo=0, hi=g0.tokens_per_block)
+    changed = integrity.digest_rows(maps, rows) != before
+    assert changed.any() and set(block[changed].tolist()) == {5} and set(group[changed].tolist()) == {0}
+
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=2)
+SHAPE_BYTES = msgspec.msgpack.encode(SHAPE)
+
+
+def audited_read(c: Cluster, seq: int, tokens: int, blocks, hit: int = 0, audit=None) -> dict:
+    return c.decode.call("decode", seq, tokens, c.remote(seq), blocks, hit, 10.0, SHAPE_BYTES, audit)
+
+
+def test_audited_reads_are_received_byte_exact_and_counted():
+    with Cluster(SHAPE, 2, 4, daemon_args=["--integrity-audit"]) as c:
+        for seq, (tokens, hit) in enumerate([(37, 0), (300, 160), (16, 0)]):
+            out = c.transfer(seq, tokens, hit_tokens=hit)
+            assert out["status"] == "received" and out["released"] == ["sent", "sent"], out
+        assert c.status(1).counters.integrity_failures == 0
+
+
+def test_a_block_reused_before_the_read_is_caught_with_its_block_ids():
+    with Cluster(SHAPE, 2, 4, daemon_args=["--integrity-audit"]) as c:
+        c.transfer(0, 64)
+        tokens = 16 * 6
+        blocks = c.prefill.call("prefill", 1, tokens, 10.0)
+        reused = [[blocks[0][2], blocks[0][4]]]
+        c.prefill.call("reuse", reused, 77)  # another prompt lands in two held blocks
+        local = c.decode.call("post_read", 1, tokens, c.remote(1), blocks, 0, 10.0)
+        outcomes = c.decode.call("wait_read", 1, 20)
+        want = [[local[0][2], local[0][4]]]  # same block size: local block k holds remote block k
+        assert [o[0] for o in outcomes] == ["failed"] * 4, outcomes
+        assert all(o[1] == want and o[2].startswith("integrity:") for o in outcomes), outcomes
+        assert c.status(1).counters.integrity_failures == 4
+        c.decode.call("free", c.decode.call("drop", 1))
+        assert c.prefill.call("wait_released", 1, 15) == ["expired", "expired"]  # consumers never notified
+        c.prefill.call("free", blocks)
+        out = c.transfer(2, 100)  # the next one is fine
+        assert out["status"] == "received", out
+
+
+def test_per_request_audit_and_a_prefill_without_digests():
+    with Cluster(SHAPE, 2, 4) as c:  # integrity_audit off on both daemons
+        blocks = c.prefill.call("prefill", 1, 40, 10.0, True)  # this hold asks for digests ...
+        out = audited_read(c, 1, 40, blocks, audit=True)  # ... and this read for the audit
+        assert out["status"] == "received", out
+        assert c.prefill.call("wait_released", 1, 10) == ["sent", "sent"]
+        c.prefill.call("free", blocks)
+        blocks = c.prefill.call("prefill", 2, 40, 1.0)  # held without digests
+        out = audited_read(c, 2, 40, blocks, audit=True)
+        assert out["status"] == "failed" and "held without digests" in out["reason"], out
+        assert out["block_ids"] == [out["local_blocks"]] * 4
+        c.prefill.call("wait_released", 2, 10)
+        c.prefill.call("free", blocks)
+
+
+def test_a_read_that_outlives_its_hold_is_not_vouched_for():
+    """The lease passes while the bytes move: the prefill engine may have reused the blocks."""
+    with Cluster(SHAPE, 2, 4, daemon_args=["--integrity-audit"]) as c:
+        blocks = c.prefill.call("prefill", 1, 40, 0.3)
+        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
+        out = audited_read(c, 1, 40, blocks)
+        assert out["status"] == "failed" and "is not held" in out["reason"], out
+        c.prefill.call("free", blocks)
