@@ -13,7 +13,7 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
 fi
 pip install -q -e '.[test]'
 mypy
-ruff check kvxferd tests bench
+ruff check kvxferd tests bench fuzz
 KVXFERD_VLLM_PYTHON="$(./scripts/vllm-env.sh | tail -n 1)"
 export KVXFERD_VLLM_PYTHON
 python -m pytest -q "$@"

@@ -7,6 +7,7 @@ import socket
 import struct
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -66,7 +67,7 @@ def test_notification_decoder_random_bytes(data):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_handshake_decoders_random_bytes(data):
-    for decoder in (hs._req_decoder, hs._reply_decoder):
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder):
         try:
             decoder.decode(data)
         except DECODE_ERRORS:
@@ -251,7 +252,7 @@ def test_handshake_garbage(cluster):
         req.send(b"\xa3\xff\xfe\xfd")  # a msgpack string of invalid UTF-8
         assert req.poll(5000)
         reply = hs._reply_decoder.decode(req.recv())
-        assert not reply.ok and "malformed handshake request" in reply.reason
+        assert not reply.ok and "malformed side-channel request" in reply.reason
         dealer = ctx.socket(zmq.DEALER)  # wrong envelope: ignored
         dealer.connect(f"tcp://{cluster.host}:{cluster.port}")
         dealer.send_multipart([b"a", b"b", b"c"])
@@ -264,6 +265,34 @@ def test_handshake_garbage(cluster):
             s.close(0)
     finally:
         ctx.term()
+
+
+def test_audit_requests_out_of_bounds(cluster):
+    """Audits come from the network: rows outside the engine's memory, unknown requests, torn rows."""
+    blocks = cluster.prefill.call("prefill", 20, 40, 5.0, True)  # held with digests
+    ctx = zmq.Context()
+
+    def ask(request_id: str, rows: bytes) -> hs.AuditReply:
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(f"tcp://{cluster.host}:{cluster.port}")
+        sock.send(msgspec.msgpack.encode(hs.AuditRequest(hs.HANDSHAKE_VERSION, "prefill", 0, request_id, rows)))
+        assert sock.poll(5000)
+        reply = hs._audit_reply_decoder.decode(sock.recv())
+        sock.close(0)
+        return reply
+
+    try:
+        for rows in ([[0, 64]], [[1 << 40, 8]], [[4096, -8]]):
+            reply = ask("req-20", np.array(rows, dtype="<i8").tobytes())
+            assert not reply.ok and "outside the engine's registered memory" in reply.reason, reply
+        assert "not whole (address, length) pairs" in ask("req-20", b"\0" * 24).reason
+        assert "is not held" in ask("req-nothing", b"").reason
+        reply = ask("req-20", b"")
+        assert reply.ok and reply.digests == b"" and reply.reused == [[]]
+    finally:
+        ctx.term()
+    cluster.prefill.call("wait_released", 20, 10)
+    cluster.prefill.call("free", blocks)
 
 
 def test_daemon_still_serves_after_all_of_the_above(cluster):

@@ -1,0 +1,201 @@
+"""Coverage-guided fuzzing (atheris / libFuzzer) of everything that parses untrusted input.
+
+    python fuzz/fuzz_kvxferd.py TARGET [libFuzzer flags]     e.g. -max_total_time=300 -print_final_stats=1
+    python fuzz/fuzz_kvxferd.py all --seconds 60             each target in turn, a summary table
+
+Targets (each must only return or raise the documented error; anything else is a finding):
+
+    request       engine requests off the Unix socket       -> msgspec decode errors
+    side_channel  handshake/audit requests and replies,      -> msgspec decode errors, None
+                  READ notifications from peers
+    frames        the Unix socket's length-prefixed frames   -> FrameError
+                  fed in arbitrary chunks
+    geometry      registered geometries: presets mutated     -> GeometryError, PlanError
+                  field by field, validated, planned against
+                  another TP size, indexed (ids in bounds)
+    audit_rows    rows an audit names, digested in place     -> AuditError (a bad row must
+                  (a wrong bound would read outside memory)     never be read: that crashes)
+
+Needs `pip install -e '.[fuzz]'`. Not part of the test suite's time budget; the hypothesis
+tests in tests/test_bad_input.py keep a smaller version of each in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import atheris
+
+with atheris.instrument_imports(include=["kvxferd", "msgspec"]):
+    import msgspec
+    import numpy as np
+
+    from kvxferd import handshake as hs
+    from kvxferd import integrity
+    from kvxferd import protocol as P
+    from kvxferd.memory import Mapping
+    from kvxferd.plan.descriptors import RequestBlocks, request_indices
+    from kvxferd.plan.geometry import Geometry, GeometryError, validate
+    from kvxferd.plan.models import PRESETS, build
+    from kvxferd.plan.planner import PlanError, plan_rank
+    from kvxferd.rpc import FrameError, FrameReader
+
+DECODE_ERRORS = P.DECODE_ERRORS
+
+
+def fuzz_request(data: bytes) -> None:
+    try:
+        P.request_decoder.decode(data)
+    except DECODE_ERRORS:
+        pass
+
+
+def fuzz_side_channel(data: bytes) -> None:
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder):
+        try:
+            decoder.decode(data)
+        except DECODE_ERRORS:
+            pass
+    parsed = hs.decode_notification(data)
+    assert parsed is None or isinstance(parsed, hs.Notification)
+
+
+def fuzz_frames(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    reader = FrameReader(max_frame=fdp.ConsumeIntInRange(0, 512))
+    try:
+        while fdp.remaining_bytes():
+            reader.feed(fdp.ConsumeBytes(fdp.ConsumeIntInRange(1, 64)))
+    except FrameError:
+        pass
+
+
+PRESET_NAMES = sorted(PRESETS)
+
+
+def _int_paths(obj: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, int):
+        return [path]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _int_paths(v, (*path, k))]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _int_paths(v, (*path, i))]
+    return []
+
+
+def _set(obj: object, path: tuple[object, ...], value: object) -> None:
+    for key in path[:-1]:
+        obj = obj[key]  # type: ignore[index]
+    obj[path[-1]] = value  # type: ignore[index]
+
+
+def fuzz_geometry(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    shape = msgspec.structs.replace(PRESETS[PRESET_NAMES[fdp.ConsumeIntInRange(0, len(PRESET_NAMES) - 1)]],
+                                    num_blocks=fdp.ConsumeIntInRange(1, 64))
+    local_tp, remote_tp = (1 << fdp.ConsumeIntInRange(0, 3)), (1 << fdp.ConsumeIntInRange(0, 3))
+    try:
+        local = build(shape, local_tp, fdp.ConsumeIntInRange(0, local_tp - 1))
+        remotes = {r: build(shape, remote_tp, r) for r in range(remote_tp)}
+    except (GeometryError, PlanError, ValueError):
+        return
+    tree = msgspec.to_builtins(local)
+    paths = _int_paths(tree)
+    for _ in range(fdp.ConsumeIntInRange(0, 4)):
+        _set(tree, paths[fdp.ConsumeIntInRange(0, len(paths) - 1)],
+             fdp.ConsumeIntInRange(-4, 1 << 20) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-2, 66))
+    try:
+        geo = validate(msgspec.convert(tree, Geometry))
+        plan = plan_rank(geo, remotes)
+        blocks = [fdp.ConsumeIntListInRange(fdp.ConsumeIntInRange(0, 8), 0, 70) for _ in geo.groups]
+        req = RequestBlocks.of(fdp.ConsumeIntInRange(0, 2000), blocks, blocks)
+        for rank, (lids, rids) in request_indices(plan, req).items():
+            peer = plan.peers[rank]
+            assert lids.min() >= 0 and lids.max() < peer.num_local_descs, "local descriptor id out of range"
+            assert rids.min() >= 0 and rids.max() < peer.num_remote_descs, "remote descriptor id out of range"
+    except (msgspec.ValidationError, GeometryError, PlanError):
+        pass
+
+
+_AUDIT_MEMORY = np.zeros(1 << 14, dtype=np.uint8)
+_AUDIT_MAPS = [Mapping("DRAM", _AUDIT_MEMORY.ctypes.data, 8192, 0, _AUDIT_MEMORY),
+               Mapping("DRAM", _AUDIT_MEMORY.ctypes.data + 8192 + 64, 4096, 0, _AUDIT_MEMORY)]
+
+
+def fuzz_audit_rows(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    base = _AUDIT_MAPS[0].address
+    rows = [(base + fdp.ConsumeIntInRange(-64, (1 << 14) + 64), fdp.ConsumeIntInRange(-8, 9000))
+            for _ in range(fdp.ConsumeIntInRange(0, 16))]
+    try:
+        digests = integrity.digest_rows(_AUDIT_MAPS, np.array(rows, dtype=np.int64).reshape(-1, 2))
+        assert len(digests) == len(rows)
+    except integrity.AuditError:
+        pass
+
+
+def seeds(target: str) -> list[bytes]:
+    """Valid inputs to start from: mutations of real messages reach deeper than random bytes."""
+    enc = msgspec.msgpack.encode
+    geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=4, layers=1), 1, 0)
+    ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "req-1")
+    if target == "request":
+        return [enc(m) for m in (
+            P.Hello(3), P.Register("e", 0, 1, geo, [P.MemoryHandle("shm", geo.buffers[0])]), P.Unregister("e", 0),
+            P.Hold("e", 0, "r", 5.0, [[1, 2]], True), P.Read("e", 0, "r", ref, 40, [[1, 2]], [[3, 4]], 5.0, True),
+            P.Batch([P.Hold("e", 0, "r", 5.0, [[1]])]), P.Poll("e", 0, 1.0, 16), P.StatusQuery(),
+            P.Attach("e", 0, "ab" * 16))]
+    if target == "side_channel":
+        return [enc(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "d")),
+                enc(hs.AuditRequest(hs.HANDSHAKE_VERSION, "prefill", 0, "r", np.arange(4, dtype="<i8").tobytes())),
+                enc(hs.HandshakeReply(True, agent="a", metadata=b"m", ranks=[hs.RankInfo(0, 1, "h", geo, [4096])])),
+                enc(hs.AuditReply(True, digests=b"\0" * 16, reused=[[1]])),
+                enc(hs.Notification("prefill", 0, "r", 2))]
+    return []
+
+
+TARGETS = {"request": fuzz_request, "side_channel": fuzz_side_channel, "frames": fuzz_frames,
+           "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows}
+
+
+def run_all(seconds: int) -> None:
+    """Each target in its own libFuzzer process for `seconds`; print runs and coverage."""
+    print(f"{'target':<13} {'runs':>10} {'runs/s':>8} {'cov':>6} {'ft':>6}  result")
+    for name in TARGETS:
+        with tempfile.TemporaryDirectory(prefix=f"kvxferd-fuzz-{name}-") as corpus:
+            for i, seed in enumerate(seeds(name)):
+                Path(corpus, f"seed-{i}").write_bytes(seed)
+            out = subprocess.run([sys.executable, __file__, name, corpus, f"-max_total_time={seconds}",
+                                  "-print_final_stats=1"], capture_output=True, text=True)
+        log = out.stdout + out.stderr
+        runs = re.search(r"stat::number_of_executed_units:\s*(\d+)", log)
+        cov = re.findall(r"cov: (\d+) ft: (\d+)", log)
+        n = int(runs.group(1)) if runs else 0
+        c, f = cov[-1] if cov else ("?", "?")
+        result = "clean" if out.returncode == 0 else f"FINDING (exit {out.returncode}); see the crash file it wrote"
+        print(f"{name:<13} {n:>10} {n / seconds:>8.0f} {c:>6} {f:>6}  {result}", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "all":
+        parser = argparse.ArgumentParser(description="run every target for a while")
+        parser.add_argument("all")
+        parser.add_argument("--seconds", type=int, default=60)
+        run_all(parser.parse_args().seconds)
+        return
+    if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(TARGETS)}|all}} [libFuzzer flags]")
+    target = TARGETS[sys.argv[1]]
+    atheris.Setup([sys.argv[0], *sys.argv[2:]], target)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
