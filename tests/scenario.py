@@ -18,8 +18,11 @@ from kvxferd.plan.descriptors import (
     region_addresses,
     remote_descs,
     remote_rows,
+    request_chunks,
     request_indices,
+    row_blocks,
 )
+from kvxferd.integrity import block_rows
 from kvxferd.plan.geometry import ATTENTION, Geometry
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.plan.planner import RankPlan, plan_rank
@@ -55,6 +58,10 @@ def execute(plan: RankPlan, req: RequestBlocks, local_geo: Geometry, local_bufs:
         remote_addr = region_addresses(remote_geos[rank], [0])
         assert np.array_equal(local_rows(peer, lids, local_addr), ldesc[lids])
         assert np.array_equal(remote_rows(peer, rids, remote_addr), rdesc[rids])
+        # what an audit blames a differing row on: the blocks it lies in, on both sides
+        group, lblock, rblock = row_blocks(plan, peer, request_chunks(plan, req))
+        assert_rows_in_blocks(ldesc[lids], group, lblock, local_geo, local_addr)
+        assert_rows_in_blocks(rdesc[rids], group, rblock, remote_geos[rank], remote_addr)
         dst, src = local_bufs[0], remote_bufs[rank][0]
         for li, ri in zip(lids.tolist(), rids.tolist()):
             la, ln, _ = ldesc[li]
@@ -63,6 +70,23 @@ def execute(plan: RankPlan, req: RequestBlocks, local_geo: Geometry, local_bufs:
             dst[la:la + ln] = src[ra:ra + rn]
             moved += int(ln)
     return moved
+
+
+def assert_rows_in_blocks(rows: np.ndarray, group: np.ndarray, block: np.ndarray, geo: Geometry,
+                          region_addr: np.ndarray) -> None:
+    """Every descriptor row lies inside the bytes of the block (of its cache group) it is blamed on."""
+    assert len(rows) == len(group) == len(block)
+    for g in np.unique(group).tolist():
+        ids = [[] for _ in geo.groups]
+        ids[g] = np.unique(block[group == g]).tolist()
+        spans, _, owner = block_rows(geo, region_addr, ids)  # one group: its blocks' spans never overlap
+        order = np.argsort(spans[:, 0])
+        starts, ends, owner = spans[order, 0], spans[order, 0] + spans[order, 1], owner[order]
+        sel = group == g
+        at = np.searchsorted(starts, rows[sel, 0], side="right") - 1
+        assert (at >= 0).all(), "a row starts before every block of its group"
+        assert (rows[sel, 0] + rows[sel, 1] <= ends[at]).all(), "a row leaves the block span it starts in"
+        assert (owner[at] == block[sel]).all(), "a row is blamed on a block it does not lie in"
 
 
 @dataclass
