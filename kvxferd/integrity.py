@@ -32,6 +32,7 @@ from .plan.geometry import ATTENTION, Geometry
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 BATCH_WORDS = 1 << 20  # gather at most this many words at once (8 MiB of index)
+LONG_ROW_WORDS = 512  # rows this long (4 KiB) are digested in place one by one; shorter ones gathered
 
 
 class AuditError(ValueError):
@@ -102,6 +103,10 @@ def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarra
     out = np.empty(len(first_word), dtype=np.uint64)
     step = max(1, BATCH_WORDS // words)
     with np.errstate(over="ignore"):
+        if words >= LONG_ROW_WORDS:  # a dot product in place: no copy, ~6 GB/s against ~1 for a gather
+            for i, s in enumerate(first_word.tolist()):
+                out[i] = np.dot(mem[s:s + words], k)
+            return out
         for s in range(0, len(first_word), step):
             idx = first_word[s:s + step, None] + np.arange(words, dtype=np.int64)
             out[s:s + step] = (mem[idx] * k).sum(axis=1, dtype=np.uint64)

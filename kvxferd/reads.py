@@ -370,14 +370,16 @@ class Reads:
         wrong_rows = 0
         for rank, lids, rids in t.audited:
             pp, link = plan.peers[rank], t.route.links[rank]
+            remote = np.ascontiguousarray(remote_rows(pp, rids, link.remote_region_addr)[:, :2]).astype("<i8")
+            asked = asyncio.ensure_future(self._peers.audit(
+                ref, hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes()),
+                max(t.deadline - time.monotonic(), 0.001)))
+            await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
             t0 = time.perf_counter()
             local = local_rows(pp, lids, er.region_addr)
             ours = integrity.digest_rows(er.mappings, local)
             self._recorder.digested("read", int(local[:, 1].sum()), time.perf_counter() - t0)
-            remote = np.ascontiguousarray(remote_rows(pp, rids, link.remote_region_addr)[:, :2]).astype("<i8")
-            reply = await self._peers.audit(ref, hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank,
-                                                                  ref.request_id, remote.tobytes()),
-                                            max(t.deadline - time.monotonic(), 0.001))
+            reply = await asked
             if not reply.ok:
                 raise _AuditRefused(f"prefill rank {rank} refused the audit: {reply.reason}")
             theirs = np.frombuffer(reply.digests, "<u8")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxferd.integrity import block_rows
 from kvxferd.plan.descriptors import (
     RequestBlocks,
     local_descs,
@@ -22,7 +23,6 @@ from kvxferd.plan.descriptors import (
     request_indices,
     row_blocks,
 )
-from kvxferd.integrity import block_rows
 from kvxferd.plan.geometry import ATTENTION, Geometry
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.plan.planner import RankPlan, plan_rank
