@@ -40,14 +40,17 @@ class Lane:
     """One extra NIXL agent and the one thread that posts on it.
 
     Peers are loaded on the lane's thread before its first slice for them (a handshake does
-    not wait for the lanes), and forgotten there too: `_known` is the thread's alone.
+    not wait for the lanes), and forgotten there too: `_known` is the thread's alone. A peer
+    daemon serving several engines answers each engine's handshake with metadata naming the
+    memory registered by then, under the same agent name: a slice carrying newer metadata than
+    the lane loaded loads it again.
     """
 
     def __init__(self, index: int, driver: NixlDriver) -> None:
         self.index = index
         self.nixl = driver
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-lane{index}")
-        self._known: set[str] = set()  # peer agents loaded into this lane's agent
+        self._known: dict[str, bytes] = {}  # peer agent -> the metadata this lane's agent loaded
 
     def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
              peer: str, metadata: bytes, on_posted: Callable[[], None]) -> Future[XferHandle]:
@@ -60,20 +63,20 @@ class Lane:
 
     def _post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
               peer: str, metadata: bytes) -> XferHandle:
-        if peer not in self._known:
+        loaded = self._known.get(peer)
+        if loaded is not metadata and loaded != metadata:
             try:
                 self.nixl.add_peer(metadata)
             except Exception as exc:
                 raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
-            self._known.add(peer)
+            self._known[peer] = metadata
         return self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
 
     def forget(self, peer: str) -> None:
         self._thread.submit(self._forget, peer)
 
     def _forget(self, peer: str) -> None:
-        if peer in self._known:
-            self._known.discard(peer)
+        if self._known.pop(peer, None) is not None:
             try:
                 self.nixl.remove_peer(peer)
             except Exception as exc:  # gone already: nothing to undo

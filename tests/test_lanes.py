@@ -9,8 +9,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvxferd.client import RemoteRef
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, run_demo
+from kvxferd.synthetic.demo import Cluster, EngineProcess, run_demo
 
 replace = msgspec.structs.replace
 SMALL_SPLIT = str(64 << 10)  # a read of 128 KiB or more is split
@@ -32,6 +33,22 @@ def test_split_reads_arrive_byte_exact_and_release_the_prefill_blocks(small_spli
         counters = c.status(1).counters
         assert counters.split_reads == 4 * 4, counters  # every decode rank's read was split
         assert counters.received == 16 and counters.failed == 0
+
+
+def test_an_engine_registered_after_the_first_handshake_is_read_on_lanes(small_split):
+    """One prefill daemon, two engines: the second registers after the lanes loaded the daemon's
+    agent for the first; its split reads need the newer metadata (same agent name)."""
+    shape = replace(PRESETS["dense"], num_blocks=128)
+    with Cluster(shape, 2, 4) as c:
+        assert c.transfer(0, num_tokens=100)["status"] == "received"
+        second = EngineProcess(c.daemons[0].socket, "prefill-b", shape, 2)
+        c.engines.append(second)
+        blocks = second.call("prefill", 1, 100, 30.0)
+        out = c.decode.call("decode", 1, 100, RemoteRef("prefill-b", c.host, c.port, 2, "req-1"), blocks, 0, 30.0,
+                            msgspec.msgpack.encode(shape))
+        assert out["status"] == "received", out  # and verified byte for byte
+        assert second.call("wait_released", 1, 10) == ["sent", "sent"]
+        assert c.status(1).counters.split_reads == 8
 
 
 @pytest.mark.parametrize("model,p_tp,d_tp,tokens", [
