@@ -37,7 +37,8 @@ def render(st: Status) -> str:
     c, rec = st.counters, st.recent
     lines = [f"kvxferd {st.version}  agent {st.agent}  up {st.uptime_s:.0f}s",
              f"socket {st.socket}  side channel {st.side_channel}",
-             f"reads: {c.received} received ({c.split_reads} split), {c.failed} failed   "
+             f"reads: {c.received} received ({c.split_reads} split), {c.failed} failed "
+             f"({c.integrity_failures} integrity)   "
              f"holds: {c.sent} sent, {c.expired} "
              f"expired   last {rec.window_s}s: {rec.reads} reads, {rec.bytes_per_s / 1e6:.1f} MB/s"
              f"   quarantined: {st.quarantined}", "", "engines"]
