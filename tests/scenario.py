@@ -82,6 +82,12 @@ def assert_rows_in_blocks(rows: np.ndarray, group: np.ndarray, block: np.ndarray
         spans, _, owner = block_rows(geo, region_addr, ids)  # one group: its blocks' spans never overlap
         order = np.argsort(spans[:, 0])
         starts, ends, owner = spans[order, 0], spans[order, 0] + spans[order, 1], owner[order]
+        # a merged piece covers adjacent segments of one page (blocks-first K then V): join them
+        joined = np.flatnonzero((starts[1:] == ends[:-1]) & (owner[1:] == owner[:-1])) + 1
+        keep = np.ones(len(starts), dtype=bool)
+        keep[joined] = False
+        run_end = np.maximum.reduceat(ends, np.flatnonzero(keep))
+        starts, ends, owner = starts[keep], run_end, owner[keep]
         sel = group == g
         at = np.searchsorted(starts, rows[sel, 0], side="right") - 1
         assert (at >= 0).all(), "a row starts before every block of its group"
