@@ -46,7 +46,7 @@ class Metrics:
         self.digest_seconds = Histogram("kvxferd_digest_seconds", "Time digesting per hold, audit answered or read "
                                         "checked", ["where"], buckets=_LATENCY, registry=r)
         self.audits = Counter("kvxferd_audits", "Reads checked against the prefill's digests, by outcome "
-                              "(ok, corrupt)", ["outcome"], registry=r)
+                              "(ok, corrupt, unanswered)", ["outcome"], registry=r)
         self.corrupt_blocks = Counter("kvxferd_corrupt_blocks", "Local blocks an audit found corrupt", registry=r)
         self.split_reads = Counter("kvxferd_split_reads", "Reads split across posting lanes", registry=r)
         self.read_slices = Counter("kvxferd_read_slices", "Slices of split reads posted on lanes", registry=r)

@@ -343,9 +343,11 @@ class Reads:
         try:
             corrupt, rows = await self._corrupt_blocks(t)
         except hs.HandshakeError as exc:
+            self._recorder.audit_ended(0, unanswered=True)
             self._fail(t, "integrity", f"no audit answer: {exc}")
             return
         except _AuditRefused as exc:
+            self._recorder.audit_ended(0, unanswered=True)
             self._fail(t, "integrity", str(exc))
             return
         except Exception as exc:

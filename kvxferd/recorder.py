@@ -109,9 +109,10 @@ class Recorder:
         self.metrics.digested_bytes.labels(where).inc(nbytes)
         self.metrics.digest_seconds.labels(where).observe(seconds)
 
-    def audit_ended(self, corrupt_blocks: int) -> None:
-        """A read was checked against the prefill's digests; `corrupt_blocks` local blocks failed."""
-        self.metrics.audits.labels("corrupt" if corrupt_blocks else "ok").inc()
+    def audit_ended(self, corrupt_blocks: int, unanswered: bool = False) -> None:
+        """A read was checked against the prefill's digests (`corrupt_blocks` local blocks
+        failed), or could not be (`unanswered`: not held any more, no digests, no answer)."""
+        self.metrics.audits.labels("unanswered" if unanswered else "corrupt" if corrupt_blocks else "ok").inc()
         if corrupt_blocks:
             self.counters.integrity_failures += 1
             self.metrics.corrupt_blocks.inc(corrupt_blocks)

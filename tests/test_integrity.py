@@ -136,6 +136,7 @@ def test_per_request_audit_and_a_prefill_without_digests():
         out = audited_read(c, 2, 40, blocks, audit=True)
         assert out["status"] == "failed" and "held without digests" in out["reason"], out
         assert out["block_ids"] == [out["local_blocks"]] * 4
+        assert c.status(1).counters.integrity_failures == 0  # unverifiable, not found corrupt
         c.prefill.call("wait_released", 2, 10)
         c.prefill.call("free", blocks)
 
