@@ -15,7 +15,6 @@ from __future__ import annotations
 import array
 import asyncio
 import os
-import select
 import socket
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TypeVar
@@ -247,12 +246,6 @@ class EngineClient:
         """Act for a rank another process registered (protocol 3), with the token its
         registration returned; requests naming it from this connection are then served."""
         self.rpc.call(self.requests.attach(token), P.Ok)
-
-    def wait_rung(self, timeout_s: float) -> bool:
-        """`rung()`, waiting up to `timeout_s` for the ring (the CPU is free meanwhile)."""
-        if self.doorbell is not None:
-            select.select([self.doorbell], [], [], timeout_s)
-        return self.rung()
 
     def rung(self) -> bool:
         """True when a poll may find completions: the daemon rang since the last call, or this

@@ -223,11 +223,13 @@ class Holds:
             return hs.AuditReply(False, f"audit rows are {len(req.rows)} bytes, not whole (address, length) pairs")
         t0 = time.perf_counter()
         try:
-            digests = integrity.digest_rows(held.engine.mappings, np.frombuffer(req.rows, "<i8").reshape(-1, 2))
+            rows = np.frombuffer(req.rows, "<i8").reshape(-1, 2)
+            digests = integrity.digest_rows(held.engine.mappings, rows)
         except integrity.AuditError as exc:
             return hs.AuditReply(False, str(exc))
         reused = held.digests.reused(held.engine, len(held.engine.geometry.groups))
-        self._recorder.digested("audit", int(held.digests.rows[:, 1].sum()), time.perf_counter() - t0)
+        walked = int(held.digests.rows[:, 1].sum()) + int(rows[:, 1].sum())  # rows read, held blocks
+        self._recorder.digested("audit", walked, time.perf_counter() - t0)
         return hs.AuditReply(True, digests=digests.astype("<u8").tobytes(), reused=reused)
 
     def status(self, now: float, limit: int) -> list[P.HoldStatus]:

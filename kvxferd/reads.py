@@ -38,7 +38,15 @@ from .engines import EngineRank
 from .lanes import Lanes, SliceRead
 from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
 from .peers import Link, Peer, Peers, Route
-from .plan.descriptors import RequestBlocks, local_rows, remote_rows, request_chunks, request_indices, row_blocks
+from .plan.descriptors import (
+    RequestBlocks,
+    local_rows,
+    peer_indices,
+    remote_rows,
+    request_chunks,
+    request_indices,
+    row_blocks,
+)
 from .plan.geometry import GeometryError
 from .plan.planner import PeerPlan, PlanError
 from .protocol import RequestError
@@ -73,7 +81,6 @@ class Transfer:
     descriptors: int = 0
     done: bool = False
     audit: bool = False  # check the bytes against the prefill's digests before `received`
-    audited: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (rank, local, remote ids)
 
     @property
     def key(self) -> ReadKey:
@@ -108,8 +115,6 @@ class Transfer:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
                 notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
-                if self.audit:
-                    self.audited.append((rank, lids, rids))
                 if split:
                     self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
                                       split, on_sliced)
@@ -370,9 +375,11 @@ class Reads:
         chunks = request_chunks(plan, RequestBlocks.of(t.msg.num_tokens, t.msg.local_blocks, t.msg.remote_blocks))
         corrupt: list[set[int]] = [set() for _ in er.geometry.groups]
         wrong_rows = 0
-        for rank, lids, rids in t.audited:
-            pp, link = plan.peers[rank], t.route.links[rank]
-            remote = np.ascontiguousarray(remote_rows(pp, rids, link.remote_region_addr)[:, :2]).astype("<i8")
+        for rank, pp in plan.peers.items():
+            lids, rids = peer_indices(pp, chunks)  # what `post` read from this rank
+            if not len(lids):
+                continue
+            remote = remote_rows(pp, rids, t.route.links[rank].remote_region_addr)[:, :2].astype("<i8")
             asked = asyncio.ensure_future(self._peers.audit(
                 ref, hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes()),
                 max(t.deadline - time.monotonic(), 0.001)))

@@ -12,6 +12,7 @@ import time
 import msgspec
 import pytest
 from netlab import Netlab, unavailable
+from test_faults import wait_for
 
 from kvxferd.client import RemoteRef
 from kvxferd.plan.models import PRESETS
@@ -50,15 +51,6 @@ def cluster(lab, tmp_path):
         lab.impair()
         lab.partition(False)
         assert_nothing_left(c)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_nothing_left(c: Cluster) -> None:

@@ -14,6 +14,7 @@ from collections import Counter
 
 import msgspec
 
+from kvxferd.benchmarks.harness import rss_mb
 from kvxferd.client import RemoteRef
 from kvxferd.plan.models import PRESETS
 from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
@@ -35,11 +36,6 @@ EXPECT = {
 }
 MIX = ["normal"] * 70 + ["missing_engine"] * 8 + ["bad_blocks"] * 6 + ["lost_notification"] * 6 + \
     ["full_hit"] * 6 + ["tiny_deadline"] * 4
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def open_fds(pid: int) -> int:

@@ -12,14 +12,14 @@ Everything is vectorized numpy; a 70B-class layout has millions of descriptors p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from .geometry import ATTENTION, Geometry
-from .planner import GroupPairing, PeerPlan, PlanError, RankPlan
+from .planner import GroupColumns, GroupPairing, PeerPlan, PlanError, RankPlan
 
 
 def region_addresses(geo: Geometry, buffer_bases: list[int] | tuple[int, ...]) -> np.ndarray:
@@ -204,14 +204,19 @@ def request_chunks(plan: RankPlan, req: RequestBlocks) -> list[Chunks]:
     return [group_chunks(p, req.num_tokens, lo, re) for p, lo, re in zip(plan.groups, req.local, req.remote)]
 
 
+def _groups_read(peer: PeerPlan, chunks: list[Chunks]) -> Iterator[tuple[int, GroupColumns, Chunks]]:
+    """The cache groups a request reads from this peer, in descriptor order: the one order
+    `peer_indices` and `row_blocks` both follow, so their outputs line up row for row."""
+    for g, cols in peer.by_group.items():
+        if len(chunks[g].local_page):
+            yield g, cols, chunks[g]
+
+
 def peer_indices(peer: PeerPlan, chunks: list[Chunks]) -> tuple[np.ndarray, np.ndarray]:
     """Local and remote descriptor ids of one request on one peer; NIXL pairs them by position."""
     local_parts: list[np.ndarray] = []
     remote_parts: list[np.ndarray] = []
-    for g, cols in peer.by_group.items():
-        ch = chunks[g]
-        if not len(ch.local_page):
-            continue
+    for _, cols, ch in _groups_read(peer, chunks):
         local_parts.append(_ids(cols.local_base, cols.local_pages, ch.local_page, ch.local_phase))
         remote_parts.append(_ids(cols.remote_base, cols.remote_pages, ch.remote_page, ch.remote_phase))
     if not local_parts:
@@ -228,10 +233,7 @@ def row_blocks(plan: RankPlan, peer: PeerPlan, chunks: list[Chunks]) -> tuple[np
     groups: list[np.ndarray] = []
     local: list[np.ndarray] = []
     remote: list[np.ndarray] = []
-    for g, cols in peer.by_group.items():
-        ch = chunks[g]
-        if not len(ch.local_page):
-            continue
+    for g, cols, ch in _groups_read(peer, chunks):
         pieces = cols.local_base.shape[0]
         p = plan.groups[g]
         local.append(np.tile(ch.local_page // p.local_pages_per_block, pieces))
