@@ -1,9 +1,21 @@
-"""vLLM's CPU KV cache layout described as a geometry, planned and executed byte for byte.
+"""vLLM's KV caches, as the connector describes them, planned and executed byte for byte.
 
-The expectation is built independently: a global cache array [layers, blocks, heads, 2*bs, hd]
-that each rank's vLLM buffer slices by its heads (as vLLM's TP sharding does), compared with
-what the decode rank holds after the descriptors were copied as NIXL pairs them.
+Every case builds each rank's buffer independently of the layout code: a logical cache
+(per layer: [blocks, all heads, tokens, content]; per state layer: the whole model's conv
+channels and SSM heads) is written through the strides vLLM's allocation gives that
+layout (`strides_of`, from the `[L, B, H, N, C]` permutation) and sliced by TP the way
+vLLM shards. After the descriptors are copied as NIXL pairs them, the decode's buffer is
+read back through the same strides and compared with the logical cache it should hold.
+
+Covered: every KVCacheLayout a backend of vLLM 0.32 picks (CPU's sealed LBHNC, GPU's
+LBHNC/LBNHC/BLHNC/BLNHC), heterogeneous TP both ways, GQA replicas, block-size mismatch on
+token-addressable layouts, overlaid cache groups with sliding-window trimming, MLA latents,
+Mamba2 and GDN state in DS and SD conv layouts.
 """
+
+from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -12,96 +24,325 @@ from scenario import execute
 from kvxferd.plan.descriptors import RequestBlocks
 from kvxferd.plan.geometry import GeometryError, shard
 from kvxferd.plan.planner import PlanError, plan_rank, targets
-from kvxferd.vllm import layout
+from kvxferd.vllm import handoff, layout
+from kvxferd.vllm.handoff import GroupInfo, RemotePrefill
 
-LAYERS, BLOCKS, BS, HD, ITEM = 3, 12, 4, 8, 2  # bf16
-
-
-def rank_cache(total_heads: int, tp: int, rank: int, block_size: int = BS):
-    """(geometry, buffer) of one vLLM CPU worker: layers back to back, [B, H_local, 2*bs, hd] each."""
-    start, stop = shard(total_heads, tp, rank, "heads")
-    heads = stop - start
-    shape = (BLOCKS, heads, 2 * block_size, HD)
-    stride = (heads * 2 * block_size * HD, 2 * block_size * HD, HD, 1)
-    layer_bytes = BLOCKS * heads * 2 * block_size * HD * ITEM
-    layers = [layout.LayerCache(f"model.layers.{i}.self_attn.attn", 0, 0, i * layer_bytes, shape, stride, ITEM)
-              for i in range(LAYERS)]
-    spec = layout.GroupSpec("attention", block_size, total_heads, HD, "FullAttentionSpec")
-    geo = layout.geometry("vllm:Llama", "bfloat16", tp, rank, [LAYERS * layer_bytes], [spec], layers)
-    return geo, (start, stop)
+ITEM = 2  # bytes per element (bf16)
 
 
-def global_cache(total_heads: int, seed: int) -> np.ndarray:
+def strides_of(order: str, sizes: dict[str, int]) -> dict[str, int]:
+    """Dense element strides of the [L, B, H, N, C] dims stored in `order` (outermost first)."""
+    out, step = {}, 1
+    for d in reversed(order):
+        out[d] = step
+        step *= sizes[d]
+    return out
+
+
+class AttentionRank:
+    """One rank's attention layers in one buffer: logical [L][B, heads, N, C] through `order`'s strides."""
+
+    def __init__(self, order: str, layers: int, blocks: int, heads: tuple[int, int], tokens: int, content: int):
+        self.order, self.heads = order, heads
+        self.sizes = dict(L=layers, B=blocks, H=heads[1] - heads[0], N=tokens, C=content)
+        self.strides = strides_of(order, self.sizes)
+        self.buffer = np.zeros(math.prod(self.sizes.values()) * ITEM, dtype=np.uint8)
+
+    def layer_view(self, layer: int) -> np.ndarray:
+        s = self.sizes
+        elems = self.buffer.view(np.uint16)
+        start = elems[layer * self.strides["L"]:]
+        return np.lib.stride_tricks.as_strided(
+            start, (s["B"], s["H"], s["N"], s["C"]), tuple(self.strides[d] * ITEM for d in "BHNC"), writeable=True)
+
+    def layer_caches(self, group: int = 0, prefix: str = "model.layers") -> list[layout.LayerCache]:
+        return [layout.LayerCache(f"{prefix}.{i}.attn", group, 0, i * self.strides["L"] * ITEM,
+                                  tuple(self.sizes[d] for d in "BHNC"), tuple(self.strides[d] for d in "BHNC"),
+                                  ITEM) for i in range(self.sizes["L"])]
+
+    def fill(self, logical: np.ndarray) -> None:
+        """logical: [L, B, all heads, N, C]."""
+        for i in range(self.sizes["L"]):
+            self.layer_view(i)[...] = logical[i, :, self.heads[0]:self.heads[1]]
+
+    def read(self) -> np.ndarray:
+        return np.stack([self.layer_view(i).copy() for i in range(self.sizes["L"])])
+
+
+def attention_world(order: str, total_heads: int, tp: int, tokens: int, seed: int, sealed: bool = False,
+                    layers: int = 2, blocks: int = 10, head: int = 8):
+    """(geometries, ranks, logical cache) of one engine: every rank filled from one logical cache."""
+    content = 2 * head  # K|V of one token of one head
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (LAYERS, BLOCKS, total_heads, 2 * BS, HD * ITEM), dtype=np.uint8)
+    logical = rng.integers(0, 2**16, (layers, blocks, total_heads, tokens, content), dtype=np.uint16)
+    spec = layout.GroupSpec("attention", tokens, "FullAttentionSpec", total_kv_heads=total_heads,
+                            head_bytes=content * ITEM, sealed=sealed)
+    geos, ranks = {}, {}
+    for r in range(tp):
+        heads = shard(total_heads, tp, r, "heads")
+        rank = AttentionRank(order, layers, blocks, heads, tokens, content)
+        rank.fill(logical)
+        geos[r] = layout.geometry("m", "bf16", tp, r, [rank.buffer.nbytes], [spec], rank.layer_caches())
+        ranks[r] = rank
+    return geos, ranks, logical
 
 
-def buffer_of(g: np.ndarray, heads: tuple[int, int]) -> np.ndarray:
-    return np.ascontiguousarray(g[:, :, heads[0]:heads[1]]).reshape(-1)
+def run_reads(p_geos, p_ranks, d_geos, d_ranks, req: RequestBlocks) -> int:
+    moved = 0
+    for r, geo in d_geos.items():
+        plan = plan_rank(geo, {t: p_geos[t] for t in targets(r, len(d_geos), len(p_geos))})
+        moved += execute(plan, req, geo, [d_ranks[r].buffer], p_geos, {t: [x.buffer] for t, x in p_ranks.items()})
+    return moved
 
 
-@pytest.mark.parametrize("total_heads", [2, 4])
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (4, 1), (1, 4)])
-@pytest.mark.parametrize("hit_blocks", [0, 2])
-def test_cpu_layout_byte_exact(total_heads, p_tp, d_tp, hit_blocks):
-    num_tokens = 5 * BS - 1  # five blocks, the last one partial
-    p_blocks, d_blocks = [7, 2, 9, 0, 4], [3, 11, 5, 8, 1]
-    prefill = global_cache(total_heads, seed=1)
-    p_geos, p_bufs = {}, {}
-    for r in range(p_tp):
-        p_geos[r], heads = rank_cache(total_heads, p_tp, r)
-        p_bufs[r] = [buffer_of(prefill, heads)]
-    for r in range(d_tp):
-        geo, heads = rank_cache(total_heads, d_tp, r)
-        decode = np.zeros((LAYERS, BLOCKS, total_heads, 2 * BS, HD * ITEM), dtype=np.uint8)
-        buf = buffer_of(decode, heads)
-        plan = plan_rank(geo, {t: p_geos[t] for t in targets(r, d_tp, p_tp)})
-        req = RequestBlocks.of(num_tokens, [np.array(d_blocks[hit_blocks:])], [np.array(p_blocks)])
-        moved = execute(plan, req, geo, [buf], p_geos, p_bufs)
-        # Independently: the missing blocks hold prefill's bytes for this rank's heads, nothing else changed.
-        expected = decode.copy()
-        for d_b, p_b in zip(d_blocks[hit_blocks:], p_blocks[hit_blocks:]):
-            expected[:, d_b, heads[0]:heads[1]] = prefill[:, p_b, heads[0]:heads[1]]
-        got = buf.reshape(LAYERS, BLOCKS, heads[1] - heads[0], 2 * BS, HD * ITEM)
-        np.testing.assert_array_equal(got, expected[:, :, heads[0]:heads[1]])
-        assert moved == LAYERS * (5 - hit_blocks) * (heads[1] - heads[0]) * 2 * BS * HD * ITEM
+TP_CASES = [(2, 1, 1), (4, 2, 1), (4, 1, 2), (4, 4, 2), (2, 1, 4), (2, 4, 1)]  # (kv heads, prefill TP, decode TP)
+LAYOUT_CASES = [(order, sealed, *tp) for order, sealed in [("LBHNC", True), ("LBHNC", False), ("BLHNC", False)]
+                for tp in TP_CASES]
+# token-major pages interleave heads per token: same TP only (test_token_major_refuses_heterogeneous_tp)
+LAYOUT_CASES += [(order, False, 2, tp, tp) for order in ("LBNHC", "BLNHC") for tp in (1, 2)]
 
 
-def test_block_size_mismatch_refused_at_planning():
-    p_geo, _ = rank_cache(2, 1, 0, block_size=BS)
-    d_geo, _ = rank_cache(2, 1, 0, block_size=2 * BS)
+@pytest.mark.parametrize("order,sealed,heads,p_tp,d_tp", LAYOUT_CASES)
+@pytest.mark.parametrize("hit", [0, 2])
+def test_attention_layouts_byte_exact(order, sealed, heads, p_tp, d_tp, hit):
+    bs, num_tokens = 4, 5 * 4 - 1  # five blocks, the last one partial
+    p_geos, p_ranks, p_logical = attention_world(order, heads, p_tp, bs, seed=1, sealed=sealed)
+    d_geos, d_ranks, d_logical = attention_world(order, heads, d_tp, bs, seed=2, sealed=sealed)
+    p_blocks, d_blocks = [7, 2, 9, 0, 4], [3, 1, 5, 8, 6]
+    moved = run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(num_tokens, [d_blocks[hit:]], [p_blocks]))
+    expected = d_logical.copy()
+    for d_b, p_b in zip(d_blocks[hit:], p_blocks[hit:]):
+        expected[:, d_b] = p_logical[:, p_b]
+    for rank in d_ranks.values():
+        np.testing.assert_array_equal(rank.read(), expected[:, :, rank.heads[0]:rank.heads[1]])
+    heads_read = sum(x.heads[1] - x.heads[0] for x in d_ranks.values())
+    assert moved == 2 * (5 - hit) * heads_read * bs * 2 * 8 * ITEM  # layers x blocks x heads x tokens x K|V
+
+
+def test_token_major_refuses_heterogeneous_tp():
+    p_geos, _, _ = attention_world("LBNHC", 4, 1, 4, seed=1)
+    d_geos, _, _ = attention_world("LBNHC", 4, 2, 4, seed=2)
+    with pytest.raises(PlanError, match="token-major"):
+        plan_rank(d_geos[0], {0: p_geos[0]})
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_block_size_translation_on_token_addressable_pages(order, p_tp, d_tp):
+    """The prefill's blocks of 4 tokens land in the decode's blocks of 8 (GPU backends' rows)."""
+    p_geos, p_ranks, p_logical = attention_world(order, 4, p_tp, 4, seed=3, blocks=12)
+    d_geos, d_ranks, d_logical = attention_world(order, 4, d_tp, 8, seed=4, blocks=6)
+    num_tokens = 21  # P: 6 blocks; D: 3 blocks
+    p_blocks, d_blocks = [11, 3, 8, 0, 5, 2], [4, 1, 2]
+    run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(num_tokens, [d_blocks], [p_blocks]))
+    expected = d_logical.copy()
+    for t in range(-(-num_tokens // 4) * 4):  # the prefill's whole last block moves, as on any read
+        expected[:, d_blocks[t // 8], :, t % 8] = p_logical[:, p_blocks[t // 4], :, t % 4]
+    for rank in d_ranks.values():
+        np.testing.assert_array_equal(rank.read(), expected[:, :, rank.heads[0]:rank.heads[1]])
+
+
+def test_block_size_mismatch_on_sealed_heads_is_refused_naming_it():
+    p_geos, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, sealed=True)
+    d_geos, _, _ = attention_world("LBHNC", 2, 1, 8, seed=2, sealed=True)
     with pytest.raises(PlanError, match=r"block-size mismatch.*same block size"):
-        plan_rank(d_geo, {0: p_geo})
+        plan_rank(d_geos[0], {0: p_geos[0]})
 
 
-def test_layouts_that_split_a_head_are_refused():
-    shape = (BLOCKS, 2, 2 * BS, HD)
-    nhd_like = (2 * 2 * BS * HD, HD, 2 * HD, 1)  # tokens outer, heads inner: a head is not contiguous
-    layer = layout.LayerCache("l0", 0, 0, 0, shape, nhd_like, ITEM)
-    spec = layout.GroupSpec("attention", BS, 2, HD)
-    with pytest.raises(GeometryError, match="LBHNC"):
-        layout.geometry("m", "bf16", 1, 0, [1 << 20], [spec], [layer])
-
-
-def test_state_groups_are_refused_by_name():
-    spec = layout.GroupSpec("state", BS, 2, HD, "MambaSpec")
-    layer = layout.LayerCache("m0", 0, 0, 0, (BLOCKS, 2, 2 * BS, HD), (2 * 2 * BS * HD, 2 * BS * HD, HD, 1), ITEM)
-    with pytest.raises(GeometryError, match="MambaSpec"):
-        layout.geometry("m", "bf16", 1, 0, [1 << 20], [spec], [layer])
+def test_layouts_that_spread_a_blocks_heads_are_refused():
+    rank = AttentionRank("LHBNC", 2, 10, (0, 2), 4, 16)
+    spec = layout.GroupSpec("attention", 4, "FullAttentionSpec", total_kv_heads=2, head_bytes=32)
+    with pytest.raises(GeometryError, match="LHBNC"):
+        layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec], rank.layer_caches())
 
 
 def test_heads_must_match_tp_sharding():
+    rank = AttentionRank("LBHNC", 1, 10, (0, 2), 4, 16)
+    spec = layout.GroupSpec("attention", 4, "FullAttentionSpec", total_kv_heads=2, head_bytes=32)
     with pytest.raises(GeometryError, match="holds 2 kv heads"):
-        rank_geo = layout.LayerCache("l0", 0, 0, 0, (BLOCKS, 2, 2 * BS, HD), (4 * BS * HD, 2 * BS * HD, HD, 1), ITEM)
-        layout.geometry("m", "bf16", 2, 0, [1 << 20], [layout.GroupSpec("attention", BS, 2, HD)], [rank_geo])
+        layout.geometry("m", "bf16", 2, 0, [rank.buffer.nbytes], [spec], rank.layer_caches())
 
 
-def test_shared_layers_are_one_region():
-    shape, stride = (BLOCKS, 2, 2 * BS, HD), (4 * BS * HD, 2 * BS * HD, HD, 1)
-    layers = [layout.LayerCache("a", 0, 0, 0, shape, stride, ITEM),
-              layout.LayerCache("b", 0, 0, 0, shape, stride, ITEM)]
-    geo = layout.geometry("m", "bf16", 1, 0, [1 << 20], [layout.GroupSpec("attention", BS, 2, HD)], layers)
-    assert len(geo.regions) == 1 and [v.name for v in geo.groups[0].views] == ["a"]
+def test_cross_layer_sharing_is_one_view_and_overlaid_groups_keep_theirs():
+    rank = AttentionRank("LBHNC", 1, 10, (0, 2), 4, 16)
+    (cache,) = rank.layer_caches()
+    shared = layout.LayerCache("model.layers.1.attn", 0, cache.buffer, cache.offset, cache.shape, cache.stride, ITEM)
+    other_group = layout.LayerCache("model.layers.2.attn", 1, cache.buffer, cache.offset, cache.shape, cache.stride,
+                                    ITEM)
+    spec = layout.GroupSpec("attention", 4, "FullAttentionSpec", total_kv_heads=2, head_bytes=32)
+    geo = layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec, spec], [cache, shared, other_group])
+    assert len(geo.regions) == 1
+    assert [[v.name for v in g.views] for g in geo.groups] == [["model.layers.0.attn"], ["model.layers.2.attn"]]
+
+
+# --- overlaid groups, sliding window (Gemma3/Gemma4 under vLLM's hybrid allocator) -------------
+
+def test_sliding_window_group_reads_only_its_window_into_the_decodes_window():
+    """Two groups over one buffer (block ids from one pool). The prefill's window group nulls
+    the blocks that left the window; the decode allocates nulls for them too. Through the
+    hand-off's trimming, only the window's blocks move, into the decode's window blocks."""
+    bs, num_tokens = 4, 19  # 5 blocks; a window of 8 tokens keeps the last 3 (vLLM: skip tokens < 19-8+1)
+    p_geos, p_ranks, p_logical = overlaid_world(bs, seed=5)
+    d_geos, d_ranks, d_logical = overlaid_world(bs, seed=6)
+    p_lists = [[0, 0, 11, 12, 13], [1, 2, 3, 4, 5]]  # [window group, full group], nulls where vLLM freed
+    d_lists = [[0, 0, 21, 22, 23], [6, 7, 8, 9, 10]]
+    groups = [GroupInfo("attention", bs), GroupInfo("attention", bs)]
+    prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), tuple(map(tuple, p_lists)), num_tokens)
+    order = handoff.read_order("d", prefill, groups, d_lists, num_tokens, 0)
+    assert order.local_blocks == [[21, 22, 23], [6, 7, 8, 9, 10]]
+    assert order.remote_blocks == [[11, 12, 13], [1, 2, 3, 4, 5]]
+    assert handoff.held_blocks(groups, p_lists) == order.remote_blocks
+    run_reads(p_geos, p_ranks, d_geos, d_ranks,
+              RequestBlocks.of(num_tokens, order.local_blocks, order.remote_blocks))
+    expected = d_logical.copy()
+    for d_b, p_b in zip(order.local_blocks[0] + order.local_blocks[1], order.remote_blocks[0] + order.remote_blocks[1]):
+        expected[:, d_b] = p_logical[:, p_b]  # a block id belongs to one group: its page is that group's
+    np.testing.assert_array_equal(d_ranks[0].read(), expected)
+    assert not np.array_equal(d_ranks[0].read()[:, 0], p_logical[:, 0])  # the null block was not written
+
+
+def test_sliding_window_with_a_longer_decode_window_reads_what_the_prefill_holds():
+    groups = [GroupInfo("attention", 4)]
+    prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 0, 31, 32),), 19)
+    order = handoff.read_order("d", prefill, groups, [[0, 41, 42, 43, 44]], 19, 0)
+    assert (order.local_blocks, order.remote_blocks) == ([[43, 44]], [[31, 32]])
+
+
+def overlaid_world(bs: int, seed: int):
+    """One rank, one buffer, two cache groups each with one layer viewing the whole buffer."""
+    rank = AttentionRank("LBHNC", 1, 24, (0, 2), bs, 16)
+    rng = np.random.default_rng(seed)
+    logical = rng.integers(0, 2**16, (1, 24, 2, bs, 16), dtype=np.uint16)
+    rank.fill(logical)
+    (cache,) = rank.layer_caches()
+    full = layout.LayerCache("model.layers.1.attn", 1, cache.buffer, cache.offset, cache.shape, cache.stride, ITEM)
+    specs = [layout.GroupSpec("attention", bs, "SlidingWindowSpec", total_kv_heads=2, head_bytes=32),
+             layout.GroupSpec("attention", bs, "FullAttentionSpec", total_kv_heads=2, head_bytes=32)]
+    geo = layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], specs, [cache, full])
+    return {0: geo}, {0: rank}, logical
+
+
+# --- MLA ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_mla_latent_is_one_unit_every_rank_holds(p_tp, d_tp):
+    """[B, 1, N, 576] per layer (CPU_MLA, FlashMLA, Triton MLA): each decode rank reads the whole
+    latent from one prefill rank."""
+    def world(tp, seed):
+        rng = np.random.default_rng(seed)
+        logical = rng.integers(0, 2**16, (2, 8, 1, 4, 576), dtype=np.uint16)
+        spec = layout.GroupSpec("attention", 4, "MLAAttentionSpec", total_kv_heads=1, head_bytes=576 * ITEM)
+        geos, ranks = {}, {}
+        for r in range(tp):
+            rank = AttentionRank("LBNHC", 2, 8, (0, 1), 4, 576)
+            rank.fill(logical)
+            geos[r] = layout.geometry("m", "bf16", tp, r, [rank.buffer.nbytes], [spec], rank.layer_caches())
+            ranks[r] = rank
+        return geos, ranks, logical
+
+    p_geos, p_ranks, p_logical = world(p_tp, 7)
+    d_geos, d_ranks, d_logical = world(d_tp, 8)
+    moved = run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(10, [[5, 1, 6]], [[2, 7, 3]]))
+    expected = d_logical.copy()
+    expected[:, [5, 1, 6]] = p_logical[:, [2, 7, 3]]
+    for rank in d_ranks.values():
+        np.testing.assert_array_equal(rank.read(), expected)
+    assert moved == d_tp * 2 * 3 * 4 * 576 * ITEM  # every decode rank, once: layers x blocks x tokens x latent
+
+
+# --- Mamba2 / GDN state ----------------------------------------------------------------------
+
+MAMBA2 = dict(parts=[("x", 8, 4), ("B", 2, 4), ("C", 2, 4)], ssm=(8, 4, 4))  # (name, units, channels/unit)
+GDN = dict(parts=[("q", 2, 8), ("k", 2, 8), ("v", 4, 8)], ssm=(4, 8, 8))
+WIDTH, PAGE = 3, 4096
+
+
+class StateRank:
+    """One rank's state layers: per page, the conv state (this rank's channels of every part, in
+    DS or SD) then the SSM state (this rank's heads), padded to PAGE bytes."""
+
+    def __init__(self, model: dict, conv_layout: str, tp: int, rank: int, layers: int = 2, blocks: int = 6):
+        self.model, self.conv_layout, self.tp, self.rank = model, conv_layout, tp, rank
+        self.layers, self.blocks = layers, blocks
+        self.buffer = np.zeros(layers * blocks * PAGE, dtype=np.uint8)
+
+    def local_channels(self, logical_conv: np.ndarray) -> np.ndarray:
+        """This rank's conv channels [local channels, WIDTH] from the model's [all channels, WIDTH]."""
+        out, at = [], 0
+        for _, units, per in self.model["parts"]:
+            start, stop = shard(units, self.tp, self.rank, "units")
+            out.append(logical_conv[at + start * per: at + stop * per])
+            at += units * per
+        return np.concatenate(out)
+
+    def page(self, logical_conv: np.ndarray, logical_ssm: np.ndarray) -> np.ndarray:
+        conv = self.local_channels(logical_conv)
+        conv = conv if self.conv_layout == "DS" else conv.T
+        heads = shard(self.model["ssm"][0], self.tp, self.rank, "heads")
+        data = np.concatenate([np.ascontiguousarray(conv).view(np.uint8).ravel(),
+                               np.ascontiguousarray(logical_ssm[heads[0]:heads[1]]).view(np.uint8).ravel()])
+        return np.pad(data, (0, PAGE - len(data)))
+
+    def fill(self, conv: np.ndarray, ssm: np.ndarray) -> None:
+        """conv: [L, B, all channels, WIDTH] uint16; ssm: [L, B, heads, d1, d2] float32."""
+        for layer in range(self.layers):
+            for b in range(self.blocks):
+                at = (layer * self.blocks + b) * PAGE
+                self.buffer[at:at + PAGE] = self.page(conv[layer, b], ssm[layer, b])
+
+    def spec(self, kind: str) -> layout.GroupSpec:
+        channels = sum((stop - start) * per for _, units, per in self.model["parts"]
+                       for start, stop in [shard(units, self.tp, self.rank, "u")])
+        heads, d1, d2 = self.model["ssm"]
+        conv_shape = (channels, WIDTH) if self.conv_layout == "DS" else (WIDTH, channels)
+        return layout.GroupSpec("state", 1024, "MambaSpec", mamba_type=kind, conv_layout=self.conv_layout,
+                                states=(layout.StateTensor(conv_shape, ITEM),
+                                        layout.StateTensor((heads // self.tp, d1, d2), 4)))
+
+    def geometry(self, kind: str):
+        caches = [layout.LayerCache(f"model.layers.{i}.mixer", 0, 0, i * self.blocks * PAGE,
+                                    (self.blocks, 1, 1, PAGE), (PAGE, PAGE, PAGE, 1), 1) for i in range(self.layers)]
+        return layout.geometry("m", "bf16", self.tp, self.rank, [self.buffer.nbytes], [self.spec(kind)], caches)
+
+
+def state_world(model: dict, kind: str, conv_layout: str, tp: int, seed: int):
+    rng = np.random.default_rng(seed)
+    channels = sum(units * per for _, units, per in model["parts"])
+    conv = rng.integers(0, 2**16, (2, 6, channels, WIDTH), dtype=np.uint16)
+    ssm = rng.standard_normal((2, 6, *model["ssm"]), dtype=np.float32)
+    ranks = {r: StateRank(model, conv_layout, tp, r) for r in range(tp)}
+    for rank in ranks.values():
+        rank.fill(conv, ssm)
+    return {r: x.geometry(kind) for r, x in ranks.items()}, ranks, (conv, ssm)
+
+
+@pytest.mark.parametrize("model,kind", [(MAMBA2, "mamba2"), (GDN, "gdn")])
+@pytest.mark.parametrize("conv_layout", ["DS", "SD"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_state_of_the_last_block_moves_whole_across_tp(model, kind, conv_layout, p_tp, d_tp):
+    p_geos, p_ranks, (p_conv, p_ssm) = state_world(model, kind, conv_layout, p_tp, seed=9)
+    d_geos, d_ranks, (d_conv, d_ssm) = state_world(model, kind, conv_layout, d_tp, seed=10)
+    run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(99, [[4]], [[2]]))
+    conv, ssm = d_conv.copy(), d_ssm.copy()
+    conv[:, 4], ssm[:, 4] = p_conv[:, 2], p_ssm[:, 2]
+    for rank in d_ranks.values():
+        want = StateRank(model, conv_layout, d_tp, rank.rank)
+        want.fill(conv, ssm)
+        np.testing.assert_array_equal(rank.buffer, want.buffer)
+
+
+def test_conv_layouts_must_agree_between_the_engines():
+    p_geos, _, _ = state_world(MAMBA2, "mamba2", "DS", 1, seed=1)
+    d_geos, _, _ = state_world(MAMBA2, "mamba2", "SD", 1, seed=1)
+    with pytest.raises(PlanError, match="segments differ"):
+        plan_rank(d_geos[0], {0: p_geos[0]})
+
+
+def test_a_conv_state_that_does_not_split_is_refused_naming_it():
+    spec = layout.GroupSpec("state", 1024, "MambaSpec", mamba_type="mamba2",
+                            states=(layout.StateTensor((33, WIDTH), ITEM), layout.StateTensor((8, 4, 4), 4)))
+    with pytest.raises(GeometryError, match="Mamba2 conv state of 33 channels"):
+        layout.state_segments(spec, 1, 0)
 
 
 @pytest.mark.parametrize("name,canonical", [("bfloat16", "bf16"), ("torch.float16", "fp16"), ("float32", "fp32"),

@@ -6,10 +6,13 @@ import msgspec
 import pytest
 
 from kvxferd.vllm import handoff, versions
+from kvxferd.vllm.handoff import GroupInfo
 from kvxferd.vllm.options import ConnectorOptions
 from kvxferd.vllm.scheduler import SchedulerSide
 
 BS = 32
+ATTENTION = [GroupInfo("attention", BS)]
+HYBRID = [GroupInfo("state", 4096), GroupInfo("attention", BS)]  # a Mamba2 hybrid: state group first
 
 
 @dataclass
@@ -18,6 +21,13 @@ class Request:  # the fields of vllm.v1.request.Request the connector reads
     num_prompt_tokens: int
     kv_transfer_params: dict | None = None
     num_computed_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+
+    def __post_init__(self):
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = list(range(self.num_prompt_tokens))
+        self._all_token_ids = list(self.prompt_token_ids)
 
 
 @dataclass
@@ -28,12 +38,12 @@ class Blocks:  # vllm.v1.core.kv_cache_manager.KVCacheBlocks
         return tuple(self.ids)
 
 
-def side() -> SchedulerSide:
-    return SchedulerSide("engine-p", 2, [BS], 30.0, lambda: ("10.0.0.1", 5600))
+def side(groups=ATTENTION) -> SchedulerSide:
+    return SchedulerSide("engine-p", 2, groups, 30.0, lambda: ("10.0.0.1", 5600))
 
 
 def prefill_params(num_tokens=100, blocks=(4, 5, 6, 7)) -> dict:
-    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens)
+    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens, [BS])
 
 
 def test_prefill_holds_and_answers_with_what_decode_needs():
@@ -100,7 +110,7 @@ def test_params_parse_flat_block_lists_and_refuse_wrong_group_counts():
 
 def test_orders_survive_the_trip_to_workers():
     orders = handoff.Orders([handoff.HoldOrder("a", [[1]], 5.0)],
-                            [handoff.read_order("b", handoff.parse_remote(prefill_params(), 1), [BS], [[9, 8, 7, 6]],
+                            [handoff.read_order("b", handoff.parse_remote(prefill_params(), 1), ATTENTION, [[9, 8, 7, 6]],
                                                 100, 32)])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(orders), type=handoff.Orders) == orders
 
@@ -121,7 +131,56 @@ def test_unknown_options_are_named():
 def test_prefill_without_a_daemon_frees_at_once():
     def nowhere():
         raise ConnectionError("no kvxferd daemon at /nowhere")
-    s = SchedulerSide("engine-p", 1, [BS], 30.0, nowhere)
+    s = SchedulerSide("engine-p", 1, ATTENTION, 30.0, nowhere)
     req = Request("req-p", 100, {"do_remote_decode": True}, num_computed_tokens=100)
     assert s.finished(req, ([4, 5, 6, 7],), completed=True) == (False, None)
     assert s.take_orders().holds == []
+
+
+def test_state_model_prefill_stops_one_token_short_once():
+    """A state holds every token it saw: the decode computes the last prompt token on h(N-1)."""
+    s = side(HYBRID)
+    req = Request("req-p", 100, {"do_remote_decode": True})
+    s.new_request(req)
+    assert (req.num_prompt_tokens, len(req.prompt_token_ids), len(req._all_token_ids)) == (99, 99, 99)
+    assert req.max_tokens == 1
+    s.new_request(req)  # preempted and scheduled again: not twice
+    assert req.num_prompt_tokens == 99
+    plain = Request("req-x", 100, {"do_remote_decode": True})
+    side().new_request(plain)  # attention only: the prefill computes the whole prompt
+    assert plain.num_prompt_tokens == 100
+
+
+def test_state_model_prefill_holds_the_last_state_block_and_real_attention_blocks():
+    s = side(HYBRID)
+    req = Request("req-p", 99, {"do_remote_decode": True}, num_computed_tokens=99)
+    delay, params = s.finished(req, ([7], [4, 5, 6, 8]), completed=True)
+    assert delay and params["remote_block_ids"] == [[7], [4, 5, 6, 8]]
+    assert params["remote_block_sizes"] == [4096, BS] and params["remote_num_tokens"] == 99
+    assert s.take_orders().holds == [handoff.HoldOrder("req-p", [[7], [4, 5, 6, 8]], 30.0)]
+
+
+def test_state_model_decode_reads_all_but_the_last_token():
+    s = side(HYBRID)
+    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 99, [4096, BS])
+    req = Request("req-d", 100, params)
+    assert s.matched_tokens(req, 0) == (99, True)  # vLLM then computes token 99 itself (no rewind)
+    s.after_alloc(req, Blocks([[3], [10, 11, 12, 13]]), 99)
+    (read,) = s.take_orders().reads
+    assert (read.num_tokens, read.local_blocks, read.remote_blocks) == (99, [[3], [10, 11, 12, 13]],
+                                                                        [[7], [4, 5, 6, 8]])
+
+
+def test_state_model_decode_computes_locally_when_the_prefill_ran_the_whole_prompt():
+    s = side(HYBRID)
+    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 100, [4096, BS])
+    req = Request("req-d", 100, params)
+    assert s.matched_tokens(req, 0) == (0, False)  # its state includes the token this side would add again
+    (release,) = s.take_orders().reads
+    assert release.is_release and req.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_block_sizes_in_params_are_checked():
+    with pytest.raises(handoff.HandoffError, match="remote_block_sizes"):
+        handoff.parse_remote(dict(prefill_params(), remote_block_sizes=[0]), 1)
+    assert handoff.parse_remote(dict(prefill_params(), remote_block_sizes=None), 1).block_sizes == ()

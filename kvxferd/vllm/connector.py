@@ -21,10 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineClient
-from .handoff import Orders
+from .handoff import GroupInfo, Orders
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
 from .versions import check_vllm_version
@@ -64,9 +65,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
-            block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups] \
-                if kv_cache_config is not None else [vllm_config.cache_config.block_size]
-            self.scheduler = SchedulerSide(self.engine_id, self.tp_size, block_sizes, self.options.lease_s,
+            groups = [GroupInfo("state" if isinstance(g.kv_cache_spec, MambaSpec) else "attention",
+                                g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups] \
+                if kv_cache_config is not None else [GroupInfo("attention", vllm_config.cache_config.block_size)]
+            self.scheduler = SchedulerSide(self.engine_id, self.tp_size, groups, self.options.lease_s,
                                            self._side_channel)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -89,6 +91,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         return self._side
 
     # --- scheduler ---------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.matched_tokens(request, num_computed_tokens)

@@ -3,8 +3,14 @@ gives its workers. Pure: no vLLM, no I/O.
 
     proxy -> P: {"do_remote_decode": true}            P computes the prompt, holds its blocks
     P -> proxy: {"do_remote_prefill": true, "remote_engine_id", "remote_request_id",
-                 "remote_host", "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size"}
+                 "remote_host", "remote_port", "remote_block_ids", "remote_block_sizes",
+                 "remote_num_tokens", "tp_size"}
     proxy -> D: those params verbatim                  D reads through its daemon
+
+Block lists are vLLM's, per cache group, from the first prompt block, with the null block
+(id 0) where a group keeps nothing: a sliding-window group nulls the blocks that left its
+window, so only the trailing real blocks hold KV. A state group (Mamba/GDN) holds one state
+per request: its last real block, the state after the prompt's tokens.
 """
 
 from __future__ import annotations
@@ -53,12 +59,23 @@ class Orders(msgspec.Struct, array_like=True):
     reads: list[ReadOrder] = []
 
 
+NULL_BLOCK = 0  # vLLM's placeholder block: in a list, a block the group does not keep
+
+
+class GroupInfo(msgspec.Struct, frozen=True, array_like=True):
+    """What the scheduler knows of one cache group."""
+
+    kind: str  # "attention" or "state"
+    block_size: int  # tokens per block
+
+
 class RemotePrefill(msgspec.Struct, frozen=True):
     """What a decode request's kv_transfer_params say about its prefill."""
 
     remote: RemoteRef
     block_ids: tuple[tuple[int, ...], ...]  # per cache group, from the first prompt block
     num_tokens: int  # prompt tokens whose KV the prefill computed; 0: unknown
+    block_sizes: tuple[int, ...] = ()  # per cache group; empty: the same as the decode's
 
 
 def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
@@ -75,43 +92,74 @@ def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
             blocks = [blocks]  # one cache group, sent flat
         groups = tuple(tuple(int(b) for b in group) for group in blocks)
         num_tokens = int(params.get("remote_num_tokens") or 0)
+        sizes = tuple(int(b) for b in params.get("remote_block_sizes") or ())
     except (TypeError, ValueError) as exc:
         raise HandoffError(f"kv_transfer_params malformed: {exc}") from None
     if len(groups) != num_groups:
         raise HandoffError(f"remote_block_ids name {len(groups)} cache groups, this engine has {num_groups}")
+    if sizes and (len(sizes) != num_groups or min(sizes) < 1):
+        raise HandoffError(f"remote_block_sizes {list(sizes)}: need one positive size per cache group")
     if not 0 < remote.port < 65536 or remote.tp_size < 1:
         raise HandoffError(f"remote_port {remote.port} or tp_size {remote.tp_size} out of range")
-    return RemotePrefill(remote, groups, num_tokens)
+    return RemotePrefill(remote, groups, num_tokens, sizes)
 
 
 def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
-                   block_ids: list[list[int]], num_tokens: int) -> dict[str, Any]:
+                   block_ids: list[list[int]], num_tokens: int, block_sizes: list[int]) -> dict[str, Any]:
     """The params P's response carries; the proxy hands them to D verbatim."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_host": host, "remote_port": port,
-            "remote_block_ids": block_ids, "remote_num_tokens": num_tokens, "tp_size": tp_size,
-            "transfer_mode": "pull"}
+            "remote_block_ids": block_ids, "remote_block_sizes": block_sizes, "remote_num_tokens": num_tokens,
+            "tp_size": tp_size, "transfer_mode": "pull"}
+
+
+def held_blocks(groups: list[GroupInfo], block_ids: list[list[int]]) -> list[list[int]]:
+    """The blocks that hold a finished prompt's KV, per group: an attention group's real
+    blocks, a state group's last one."""
+    out = []
+    for info, ids in zip(groups, block_ids):
+        real = [b for b in ids if b != NULL_BLOCK]
+        out.append(real[-1:] if info.kind == "state" else real)
+    return out
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def read_order(request_id: str, prefill: RemotePrefill, block_sizes: list[int], local_block_ids: list[list[int]],
+def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo], local_block_ids: list[list[int]],
                num_tokens: int, num_computed: int) -> ReadOrder:
     """Read tokens [num_computed, num_tokens) into this request's blocks.
 
-    `local_block_ids` are all of the request's blocks per group (from token 0);
-    `num_computed` (a multiple of every block size) is what the local prefix cache holds.
-    Remote lists go from the first prompt block up to the one holding token num_tokens-1.
+    `local_block_ids` are all of the request's blocks per group (from token 0, nulls included);
+    `num_computed` (a multiple of every block size) is what the local prefix cache holds. Each
+    attention list goes out as its missing tail: the local blocks from the first token both
+    sides hold (a sliding window starts late) to the one holding token num_tokens-1, and the
+    prefill's real blocks up to there. A state group pairs the two sides' last real blocks.
+
+        tokens:        0      32     64     96     128 (num_tokens)
+        prefill SWA:  | null | null |  p2  |  p3  |        remote -> [p2, p3] (first held token 64)
+        decode SWA:   | null |  d1  |  d2  |  d3  |        local  -> [d2, d3]
+
     Lists that do not fit the token count are passed as they are: the daemon refuses such a
     read with a reason, and the read ends failed with its blocks, like any other.
     """
     local, remote = [], []
-    for bs, ids, rids in zip(block_sizes, local_block_ids, prefill.block_ids):
-        end = cdiv(num_tokens, bs)
-        local.append(list(ids[num_computed // bs:end]))
-        remote.append(list(rids[:end]))
+    sizes = prefill.block_sizes or tuple(g.block_size for g in groups)
+    for info, rbs, ids, rids in zip(groups, sizes, local_block_ids, prefill.block_ids):
+        if info.kind == "state":
+            local.append([b for b in ids if b != NULL_BLOCK][-1:])
+            remote.append([b for b in rids if b != NULL_BLOCK][-1:])
+            continue
+        bs = info.block_size
+        held = list(rids[:cdiv(num_tokens, rbs)])
+        first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
+        first = max(num_computed // bs, cdiv(first_held * rbs, bs))
+        wanted = list(ids[first:cdiv(num_tokens, bs)])
+        while wanted and wanted[0] == NULL_BLOCK:  # tokens this side's window no longer needs
+            wanted.pop(0)
+        local.append(wanted)
+        remote.append(held[first_held:])
     return ReadOrder(request_id, prefill.remote, num_tokens, local, remote)
 
 

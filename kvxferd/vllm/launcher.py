@@ -46,7 +46,7 @@ def free_port() -> int:
 
 def make_model(directory: Path, seed: int) -> Path:
     """The tiny random-weight model (made once per directory, in vLLM's environment)."""
-    subprocess.run([vllm_python(), "-m", "kvxferd.vllm.tiny_model", str(directory), "--seed", str(seed)],
+    subprocess.run([vllm_python(), "-m", "kvxferd.lab.tiny_models", str(directory), "--seed", str(seed)],
                    check=True, capture_output=True)
     return directory
 

@@ -2,34 +2,46 @@
 
 The worker reads each layer's cache tensor (shape, strides, where it starts in its backing
 allocation) and each cache group's spec, and this module turns them into the `Geometry`
-the daemon plans with. Nothing here is vLLM-specific transfer code: once described, every
-layout is moved by the one planner.
+the daemon plans with. Nothing here is per-model transfer code: once described, every
+family (full and sliding-window attention, MLA, Mamba2/GDN state) is moved by the one planner.
 
-vLLM's CPU backend (layout LBHNC) views layer l of a backing buffer as
-`[num_blocks, kv_heads, 2 * block_size, head_size]`:
+vLLM 0.32 hands every attention layer, on every backend, a 4-D view `[B, H, N, C]` of one
+shared buffer (blocks, KV heads, tokens per kernel page, bytes of content per token: K|V, or an
+MLA latent), with strides set by the engine's `KVCacheLayout`:
 
-    buffer: | layer 0: block 0 | block 1 | ... | layer 1: block 0 | ...
-    block:  | head 0: K rows (bs x hd, stored as the ISA likes) | V rows (bs x hd) | head 1: ... |
-            <---------------- unit_bytes = 2 * bs * hd * itemsize ----------------->
+    LBHNC (head-major, what the connector asks for): page = | head 0: tok 0 .. tok N-1 | head 1: ... |
+          each head's area contiguous: heads are the TP sharding unit, tokens are rows of C bytes
+    LBNHC (token-major):  page = | tok 0: head 0 .. head H-1 | tok 1: ... |    same heads on both sides only
+    BLHNC / BLNHC (block-outermost): the same pages, spaced wider (other layers' pages between them)
+    LHBNC / BHLNC: a head's pages are not together with the block's other heads: refused by name
 
-A head's K|V area is contiguous, so heads are the sharding unit (heterogeneous TP, GQA
-replicas); its interior is the backend's own, so the segment is `unit_sealed`: a unit moves
-whole, and a block-size mismatch between the two engines is refused at planning time.
+    layer l, block b:  buffer + layer offset + b * stride[B]          (kernel page b)
+                       + h * stride[H] + n * stride[N]                 (head h, token n)
+
+vLLM's CPU attention keeps a head's interior in its own order (K transposed, ISA dependent),
+so there a head moves whole (`unit_sealed`): block-size translation needs a token-addressable
+backend. A Mamba/GDN layer's view is `[B, 1, 1, state bytes]` (int8), its page padded to the
+attention page; the states follow one another from byte 0 (`state_segments`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..plan import dtypes
 from ..plan.geometry import (
     ATTENTION,
+    STATE,
+    TOKEN_MAJOR,
+    UNIT_MAJOR,
     UNIT_SEALED,
     CacheGroup,
     Geometry,
     GeometryError,
     Region,
     Segment,
+    SegmentLayout,
     View,
     shard,
     validate,
@@ -46,71 +58,211 @@ class LayerCache:
     offset: int  # bytes from the buffer's start to element [0, 0, 0, 0]
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    itemsize: int  # bytes per element of this tensor (vLLM may view the cache as bytes)
+    itemsize: int  # bytes per element of this tensor (vLLM views state caches as bytes)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a Mamba-style layer, per rank, as vLLM's MambaSpec gives it."""
+
+    shape: tuple[int, ...]
+    itemsize: int
 
 
 @dataclass(frozen=True)
 class GroupSpec:
     """What vLLM's KV cache spec says of one cache group."""
 
-    kind: str  # "attention"; anything else is refused by name
+    kind: str  # "attention" or "state"
     block_size: int  # tokens per block as the scheduler counts them
-    total_kv_heads: int  # across all TP ranks
-    head_size: int
     spec_name: str = ""  # vLLM's spec class, for error messages
+    total_kv_heads: int = 0  # attention: across all TP ranks (1 for an MLA latent)
+    head_bytes: int = 0  # attention: bytes of one token of one head (K|V, or the latent)
+    sealed: bool = False  # attention: the backend keeps a head's interior in its own order
+    mamba_type: str = ""  # state: "mamba2", "gdn", "mamba1", or another (sharded by first dim)
+    states: tuple[StateTensor, ...] = ()  # state: conv state first, then the temporal (SSM) state
+    conv_layout: str = "DS"  # state: "DS" (channels, width) or "SD" (width, channels)
+    replicated: bool = False  # state: every rank holds the whole state (vLLM's tp_replicated)
 
 
 def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[int],
              groups: list[GroupSpec], layers: list[LayerCache], weights: str = "") -> Geometry:
-    """The geometry of one vLLM worker's KV cache. Raises GeometryError naming what it cannot describe."""
-    itemsize = dtypes.itemsize(dtype)
+    """The geometry of one vLLM worker's KV cache. Raises GeometryError naming what it cannot describe.
+
+    Groups may overlay the same bytes (vLLM's hybrid allocator: each group owns other block
+    ids of one buffer): each keeps its own views of the shared regions. Within one group, a
+    layer at the same place as another shares its cache (cross-layer KV sharing): one view.
+    """
     regions: list[Region] = []
-    seen: set[tuple[int, int]] = set()
+    region_at: dict[tuple[int, int, int], int] = {}
+    seen: set[tuple[int, int, int]] = set()
     views: dict[int, list[View]] = {g: [] for g in range(len(groups))}
+    pages_per_block: dict[int, int] = {}
     for layer in layers:
         if not 0 <= layer.group < len(groups):
             raise GeometryError(f"layer {layer.name}: cache group {layer.group} does not exist")
-        spec = groups[layer.group]
-        if spec.kind != ATTENTION:
-            raise GeometryError(f"layer {layer.name}: cache group {layer.group} is {spec.spec_name or spec.kind}; "
-                                "kvxferd's vLLM connector moves attention caches only (no Mamba/GDN state yet)")
-        key = (layer.buffer, layer.offset)
-        if key in seen:  # a layer sharing another's cache (cross-layer KV sharing)
+        if (layer.group, layer.buffer, layer.offset) in seen:
             continue
-        seen.add(key)
-        view, length = _attention_view(layer, spec, len(regions), tp_size, tp_rank, itemsize)
-        regions.append(Region(layer.buffer, layer.offset, length))
-        views[layer.group].append(view)
-    cache_groups = tuple(CacheGroup(f"g{g}", ATTENTION, groups[g].block_size, 1, tuple(vs))
-                         for g, vs in views.items() if vs)
+        seen.add((layer.group, layer.buffer, layer.offset))
+        spec = groups[layer.group]
+        if spec.kind == ATTENTION:
+            stride, segments, num_pages, per_block = _attention_layout(layer, spec, tp_size, tp_rank)
+            if pages_per_block.setdefault(layer.group, per_block) != per_block:
+                raise GeometryError(f"layer {layer.name}: {per_block} kernel pages per block, other layers of "
+                                    f"group {layer.group} have {pages_per_block[layer.group]}")
+        elif spec.kind == STATE:
+            stride, segments, num_pages = _state_layout(layer, spec, tp_size, tp_rank)
+        else:
+            raise GeometryError(f"layer {layer.name}: cache group {layer.group} is {spec.spec_name or spec.kind}, "
+                                "neither attention nor state")
+        extent = max(s.offset + s.nbytes for s in segments)
+        key = (layer.buffer, layer.offset, (num_pages - 1) * stride + extent)
+        if key not in region_at:
+            region_at[key] = len(regions)
+            regions.append(Region(*key))
+        views[layer.group].append(View(layer.name, region_at[key], stride, num_pages, tuple(segments)))
+    cache_groups = []
+    for g, vs in views.items():
+        if not vs:
+            continue
+        spec = groups[g]
+        per_block = pages_per_block.get(g, 1)
+        tokens = spec.block_size if spec.kind == ATTENTION else 0
+        cache_groups.append(CacheGroup(f"g{g}", ATTENTION if spec.kind == ATTENTION else STATE, tokens, per_block,
+                                       tuple(vs)))
     if not cache_groups:
-        raise GeometryError("no attention layers found in the KV caches vLLM registered")
+        raise GeometryError("no KV cache layers found in the caches vLLM registered")
     return validate(Geometry(model, dtypes.canonical(dtype), tp_size, tp_rank, tuple(buffers), tuple(regions),
-                             cache_groups, weights))
+                             tuple(cache_groups), weights))
 
 
-def _attention_view(layer: LayerCache, spec: GroupSpec, region: int, tp_size: int, tp_rank: int,
-                    kv_itemsize: int) -> tuple[View, int]:
-    """One layer's view of region `region`, and the byte length that region needs."""
+def _attention_layout(layer: LayerCache, spec: GroupSpec, tp_size: int,
+                      tp_rank: int) -> tuple[int, list[Segment], int, int]:
+    """(page stride, segments, kernel pages, kernel pages per block) of one attention layer's view."""
     where = f"layer {layer.name}"
-    if len(layer.shape) != 4 or len(layer.stride) != 4:
-        raise GeometryError(f"{where}: cache shaped {layer.shape}; kvxferd describes per-layer "
-                            "[blocks, heads, rows, columns] views (vLLM's LBHNC layout, the CPU backend)")
-    blocks, heads, rows, cols = layer.shape
-    s_block, s_head, s_row, s_col = layer.stride
-    if (s_col, s_row, s_head) != (1, cols, rows * cols) or s_block < heads * rows * cols:
-        raise GeometryError(f"{where}: strides {layer.stride} for shape {layer.shape} do not keep each head's "
-                            "K|V area contiguous inside a block; set VLLM_KV_CACHE_LAYOUT to LBHNC")
-    head_bytes = rows * cols * layer.itemsize
-    if head_bytes != spec.block_size * 2 * spec.head_size * kv_itemsize:
-        raise GeometryError(f"{where}: a head's area of {head_bytes} B is not K and V of {spec.block_size} "
-                            f"tokens of head size {spec.head_size} ({kv_itemsize} B per element)")
+    shape, stride = _squeeze_to_bhnc(layer)
+    pages, heads, tokens, content = shape
+    s_page, s_head, s_token, s_content = stride
+    item = layer.itemsize
+    if s_content != 1:
+        raise GeometryError(f"{where}: strides {layer.stride} for shape {layer.shape}: a token's content is not "
+                            "contiguous")
+    token_bytes = content * item
+    if spec.head_bytes and token_bytes != spec.head_bytes:
+        raise GeometryError(f"{where}: a token of one head holds {token_bytes} B, the cache spec says "
+                            f"{spec.head_bytes} B")
+    if spec.block_size % tokens:
+        raise GeometryError(f"{where}: {tokens} tokens per kernel page do not divide the block of "
+                            f"{spec.block_size} tokens")
     start, stop = shard(spec.total_kv_heads, tp_size, tp_rank, f"{where} kv heads")
     if stop - start != heads:
         raise GeometryError(f"{where}: holds {heads} kv heads, but {spec.total_kv_heads} heads over TP {tp_size} "
                             f"give rank {tp_rank} {stop - start}")
-    seg = Segment("kv", 0, spec.total_kv_heads, start, stop, spec.block_size, head_bytes // spec.block_size,
-                  UNIT_SEALED)
-    page_stride = s_block * layer.itemsize
-    length = (blocks - 1) * page_stride + seg.nbytes
-    return View(layer.name, region, page_stride, blocks, (seg,)), length
+    layout: SegmentLayout
+    if s_token == content and (heads == 1 or s_head == tokens * content):
+        layout = UNIT_SEALED if spec.sealed else UNIT_MAJOR  # LBHNC, BLHNC (and any layout when H = 1)
+    elif s_head == content and s_token == heads * content:
+        layout = TOKEN_MAJOR  # LBNHC, BLNHC
+    else:
+        raise GeometryError(f"{where}: strides {layer.stride} for shape {layer.shape} spread one block's heads "
+                            "apart (LHBNC/BHLNC); run vLLM with VLLM_KV_CACHE_LAYOUT=LBHNC (the connector's "
+                            "default)")
+    if s_page * item < heads * tokens * token_bytes:
+        raise GeometryError(f"{where}: pages of {s_page * item} B overlap (a page holds "
+                            f"{heads * tokens * token_bytes} B)")
+    seg = Segment("kv", 0, spec.total_kv_heads, start, stop, tokens, token_bytes, layout)
+    return s_page * item, [seg], pages, spec.block_size // tokens
+
+
+def _squeeze_to_bhnc(layer: LayerCache) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """[B, H, N, C] as vLLM hands it; MLA backends may squeeze the single head away ([B, N, C])."""
+    if len(layer.shape) == 4 and len(layer.stride) == 4:
+        return layer.shape, layer.stride
+    if len(layer.shape) == 3 and len(layer.stride) == 3:
+        b, n, c = layer.shape
+        sb, sn, sc = layer.stride
+        return (b, 1, n, c), (sb, n * sn, sn, sc)
+    raise GeometryError(f"layer {layer.name}: cache shaped {layer.shape}; kvxferd describes vLLM's "
+                        "[blocks, heads, tokens, content] views")
+
+
+def _state_layout(layer: LayerCache, spec: GroupSpec, tp_size: int,
+                  tp_rank: int) -> tuple[int, list[Segment], int]:
+    """(page stride, segments, pages) of one Mamba-style layer's view [B, 1, 1, bytes]."""
+    where = f"layer {layer.name}"
+    if len(layer.shape) != 4 or layer.shape[1:3] != (1, 1) or layer.stride[3] != 1:
+        raise GeometryError(f"{where}: state cache shaped {layer.shape} strides {layer.stride}; kvxferd "
+                            "describes vLLM's [blocks, 1, 1, state bytes] views")
+    segments = state_segments(spec, tp_size, tp_rank, where)
+    used = max(s.offset + s.nbytes for s in segments)
+    if used > layer.shape[3] * layer.itemsize:
+        raise GeometryError(f"{where}: the states take {used} B, the page holds {layer.shape[3] * layer.itemsize} B")
+    return layer.stride[0] * layer.itemsize, segments, layer.shape[0]
+
+
+def state_segments(spec: GroupSpec, tp_size: int, tp_rank: int, where: str = "state") -> list[Segment]:
+    """One state page as segments, each sharded on its own across TP, one "token" per page.
+
+    The conv state holds, per rank, the local channels of several projections back to back
+    (Mamba2: x | B | C; GDN: q | k | v), each sharded over TP on its own; the temporal (SSM)
+    state is sharded by heads. DS stores the conv state channel by channel, so each part is
+    one run of channels; SD stores it row by row (one row per conv tap), so each part is one
+    run per row:
+
+        DS page: | x ch 0 .. | B ch .. | C ch .. | ssm head 0 | head 1 | ... |   padding |
+        SD page: | row 0: x | B | C | row 1: x | B | C | ... | ssm heads ... |   padding |
+    """
+    if len(spec.states) < 2:
+        raise GeometryError(f"{where}: {spec.spec_name or 'state spec'} with {len(spec.states)} state tensors; "
+                            "kvxferd describes a conv state followed by a temporal state")
+    conv, temporal = spec.states[0], spec.states[1]
+    if len(conv.shape) != 2:
+        raise GeometryError(f"{where}: conv state shaped {conv.shape}; expected two dimensions")
+    channels, width = conv.shape if spec.conv_layout == "DS" else conv.shape[::-1]
+    parts = _conv_parts(spec, channels, temporal.shape, where)
+    out: list[Segment] = []
+    offset = 0
+
+    def add(name: str, local_units: int, unit_bytes: int) -> None:
+        nonlocal offset
+        total = local_units if spec.replicated else local_units * tp_size
+        start, stop = (0, total) if spec.replicated else shard(total, tp_size, tp_rank, f"{where} {name}")
+        out.append(Segment(name, offset, total, start, stop, 1, unit_bytes))
+        offset += local_units * unit_bytes
+
+    if spec.conv_layout == "DS":
+        for name, units, channels_per_unit in parts:
+            add(f"conv_{name}", units, channels_per_unit * width * conv.itemsize)
+    elif spec.conv_layout == "SD":
+        for row in range(width):
+            for name, units, channels_per_unit in parts:
+                add(f"conv_{name}@{row}", units, channels_per_unit * conv.itemsize)
+    else:
+        raise GeometryError(f"{where}: conv state layout {spec.conv_layout!r}; vLLM's are DS and SD")
+    heads = temporal.shape[0]
+    add("ssm", heads, math.prod(temporal.shape[1:]) * temporal.itemsize)
+    for extra_state in spec.states[2:]:  # further states (none in Mamba2/GDN): whole, by first dim
+        add(f"state{len(out)}", extra_state.shape[0], math.prod(extra_state.shape[1:]) * extra_state.itemsize)
+    return out
+
+
+def _conv_parts(spec: GroupSpec, channels: int, temporal: tuple[int, ...],
+                where: str) -> list[tuple[str, int, int]]:
+    """(name, local units, channels per unit) of the projections the conv state concatenates."""
+    if spec.mamba_type == "mamba2" and len(temporal) == 3:
+        heads, head_dim, d_state = temporal
+        x = heads * head_dim
+        bc = channels - x
+        if bc < 0 or bc % 2 or (bc // 2) % d_state:
+            raise GeometryError(f"{where}: Mamba2 conv state of {channels} channels does not split into x "
+                                f"({heads} heads x {head_dim}) and B, C of whole groups of {d_state}")
+        return [("x", heads, head_dim), ("B", bc // 2 // d_state, d_state), ("C", bc // 2 // d_state, d_state)]
+    if spec.mamba_type == "gdn" and len(temporal) == 3:
+        v_heads, v_dim, k_dim = temporal
+        v = v_heads * v_dim
+        qk = channels - v
+        if qk < 0 or qk % 2 or (qk // 2) % k_dim:
+            raise GeometryError(f"{where}: GDN conv state of {channels} channels does not split into q, k "
+                                f"(heads of {k_dim}) and v ({v_heads} heads x {v_dim})")
+        return [("q", qk // 2 // k_dim, k_dim), ("k", qk // 2 // k_dim, k_dim), ("v", v_heads, v_dim)]
+    return [("x", channels, 1)]  # one projection (Mamba1 and others): channels shard as they are

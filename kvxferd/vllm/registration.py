@@ -7,6 +7,7 @@ and hands the pure `layout.geometry` plain numbers.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from . import layout, shared_kv
@@ -18,34 +19,109 @@ log = logging.getLogger("kvxferd.vllm")
 
 def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, Any],
                     options: ConnectorOptions) -> None:
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
     model_config = vllm_config.model_config
     group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
-    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    groups = [layout.GroupSpec("attention" if isinstance(s, AttentionSpec) and not model_config.use_mla else "state",
-                               s.block_size, model_config.get_total_num_kv_heads(),
-                               getattr(s, "head_size", 0), type(s).__name__) for s in specs]
+    device = vllm_config.device_config.device_type
+    groups = [group_spec(g.kv_cache_spec, g.layer_names, model_config, worker.tp_size, device)
+              for g in kv_cache_config.kv_cache_groups]
     buffers, placed = shared_kv.share(kv_caches, _bound_caches(vllm_config))
     layers = [layout.LayerCache(name, group_of[name], *placed[name], tuple(t.shape), tuple(t.stride()),
                                 t.element_size())
               for name, t in kv_caches.items() if name in group_of]
-    kv_dtype = str(specs[0].dtype) if specs else str(model_config.dtype)
-    geometry = layout.geometry(model_identity(vllm_config), kv_dtype, worker.tp_size, worker.rank,
-                               [b.nbytes for b in buffers], groups, layers,
+    geometry = layout.geometry(model_identity(vllm_config), kv_dtype(kv_cache_config, model_config), worker.tp_size,
+                               worker.rank, [b.nbytes for b in buffers], groups, layers,
                                weights=weights_identity(vllm_config) if options.enforce_handshake_compat else "")
-    log.info("kvxferd: %d layers in %d cache groups, %d buffers, dtype %s", len(layers), len(geometry.groups),
-             len(buffers), geometry.dtype)
+    log.info("kvxferd: %d layers in %d cache groups (%s), %d buffers, dtype %s", len(layers), len(geometry.groups),
+             ", ".join(f"{g.kind} {g.tokens_per_block or 'state'}" for g in geometry.groups), len(buffers),
+             geometry.dtype)
     worker.register(geometry, buffers, options.connect_timeout_s)
+
+
+def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: int, device: str) -> layout.GroupSpec:
+    """One cache group's spec, as plain numbers (`layout.GroupSpec`)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    name = type(spec).__name__
+    if isinstance(spec, UniformTypeKVCacheSpecs):  # one spec type with per-layer details: all must agree
+        specs = {repr(group_spec(s, [n], model_config, tp_size, device)) for n, s in spec.kv_cache_specs.items()}
+        if len(specs) != 1:
+            raise layout.GeometryError(f"cache group of {name}: its layers differ in heads or sizes")
+        spec = next(iter(spec.kv_cache_specs.values()))
+    if isinstance(spec, MambaSpec):
+        return layout.GroupSpec(
+            "state", spec.block_size, type(spec).__name__, mamba_type=_mamba_type(spec.mamba_type),
+            states=tuple(layout.StateTensor(tuple(s), d.itemsize) for s, d in zip(spec.shapes, spec.dtypes)),
+            conv_layout=_conv_layout(), replicated=bool(spec.tp_replicated))
+    if isinstance(spec, AttentionSpec):
+        return layout.GroupSpec(
+            "attention", spec.block_size, name,
+            total_kv_heads=total_kv_heads(spec, layer_names, model_config, tp_size),
+            head_bytes=spec.state_content_size_bytes,
+            # vLLM's CPU attention keeps each head's K transposed inside the page; MLA latents are rows
+            sealed=device == "cpu" and not isinstance(spec, MLAAttentionSpec))
+    raise layout.GeometryError(f"cache group of {name} ({', '.join(layer_names[:3])}): kvxferd describes "
+                               "attention (full, sliding-window, MLA) and Mamba/GDN state groups")
+
+
+def total_kv_heads(spec: Any, layer_names: list[str], model_config: Any, tp_size: int) -> int:
+    """KV heads of a group across all TP ranks. vLLM's spec gives this rank's count; ranks past
+    `max_tp_shards` (or past the model's heads) hold replicas."""
+    if spec.max_tp_shards is not None:
+        return int(spec.num_kv_heads * min(tp_size, spec.max_tp_shards))
+    total = _layer_kv_heads(model_config, layer_names[0]) or model_config.get_total_num_kv_heads()
+    if spec.num_kv_heads == max(1, total // tp_size):
+        return int(total)
+    return int(spec.num_kv_heads * tp_size)
+
+
+def _layer_kv_heads(model_config: Any, layer_name: str) -> int:
+    """A per-layer KV head count in the model's config (Gemma4's full-attention layers), or 0."""
+    per_layer = getattr(model_config.hf_text_config, "per_layer_config", None)
+    index = re.search(r"\.(\d+)\.", layer_name)
+    if not per_layer or index is None:
+        return 0
+    entry = per_layer.get(int(index.group(1))) if isinstance(per_layer, dict) else None
+    if entry is None and isinstance(per_layer, dict):
+        entry = per_layer.get(index.group(1)) or per_layer.get(f"{int(index.group(1)):02d}")
+    heads = entry.get("num_key_value_heads") if isinstance(entry, dict) else getattr(entry, "num_key_value_heads",
+                                                                                      None)
+    return int(heads or 0)
+
+
+def _mamba_type(kind: Any) -> str:
+    name = getattr(kind, "name", str(kind)).upper()
+    return {"MAMBA2": "mamba2", "GDN_ATTN": "gdn", "MAMBA1": "mamba1"}.get(name, name.lower())
+
+
+def _conv_layout() -> str:
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    return str(mamba_utils.get_conv_state_layout())
+
+
+def kv_dtype(kv_cache_config: Any, model_config: Any) -> str:
+    """The attention cache's dtype (state groups carry their own per state)."""
+    for group in kv_cache_config.kv_cache_groups:
+        dtype = getattr(group.kv_cache_spec, "dtype", None)
+        if dtype is not None:
+            return str(dtype)
+    return str(model_config.dtype)
 
 
 def _bound_caches(vllm_config: Any) -> list[Any]:
     """The caches vLLM bound to its attention layers (they may be other views of the same memory)."""
     out: list[Any] = []
+
+    def walk(cache: Any) -> None:  # a tensor, or (per virtual engine, per state) lists of them
+        if isinstance(cache, (list, tuple)):
+            for c in cache:
+                walk(c)
+        elif cache is not None:
+            out.append(cache)
+
     for layer in vllm_config.compilation_config.static_forward_context.values():
-        cache = getattr(layer, "kv_cache", None)
-        out.extend(cache if isinstance(cache, (list, tuple)) else [cache])
-    return [c for c in out if c is not None]
+        walk(getattr(layer, "kv_cache", None))
+    return out
 
 
 def model_identity(vllm_config: Any) -> str:

@@ -1,6 +1,7 @@
 """The connector's scheduler half: vLLM's request lifecycle turned into holds and reads.
 
-    prefill:  request_finished(do_remote_decode) -> delay free, hold order, params for D
+    prefill:  new request (do_remote_decode, a state group) -> stop one token short of the prompt
+              request_finished(do_remote_decode) -> delay free, hold order, params for D
     decode:   get_num_new_matched_tokens(do_remote_prefill) -> (missing tokens, async)
               update_state_after_alloc -> read order (the missing tail) or release (full hit)
               request_finished before any of that (abort) -> release
@@ -16,10 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .handoff import (
+    GroupInfo,
     HandoffError,
     HoldOrder,
     Orders,
     RemotePrefill,
+    held_blocks,
     parse_remote,
     prefill_params,
     read_order,
@@ -30,11 +33,29 @@ log = logging.getLogger("kvxferd.vllm")
 
 
 class SchedulerSide:
-    def __init__(self, engine_id: str, tp_size: int, block_sizes: list[int], lease_s: float,
+    def __init__(self, engine_id: str, tp_size: int, groups: list[GroupInfo], lease_s: float,
                  side_channel: Callable[[], tuple[str, int]]) -> None:
-        self.engine_id, self.tp_size, self.block_sizes, self.lease_s = engine_id, tp_size, block_sizes, lease_s
+        self.engine_id, self.tp_size, self.groups, self.lease_s = engine_id, tp_size, groups, lease_s
         self.side_channel = side_channel  # asked lazily: the daemon may start after vLLM
         self.orders = Orders([], [])
+        # A state (Mamba/GDN) holds every token it has seen: the decode must compute the last
+        # prompt token on the state before it, so the prefill stops one token short.
+        self.backoff = 1 if any(g.kind == "state" for g in groups) else 0
+
+    # --- prefill -------------------------------------------------------------
+    def new_request(self, request: Any) -> None:
+        """A request about to be scheduled: a prefill for a remote decode of a state model
+        computes all but the last prompt token (vLLM's Request, trimmed in place, once)."""
+        params = request.kv_transfer_params
+        if (not self.backoff or not params or not params.get("do_remote_decode")
+                or params.get("_kvxferd_truncated") or request.num_prompt_tokens <= self.backoff
+                or request.prompt_token_ids is None):
+            return
+        del request.prompt_token_ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params["_kvxferd_truncated"] = True
 
     # --- decode --------------------------------------------------------------
     def _remote(self, request: Any) -> RemotePrefill | None:
@@ -42,24 +63,33 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return parse_remote(params, len(self.block_sizes))
+            return parse_remote(params, len(self.groups))
         except HandoffError as exc:
             log.warning("request %s: %s; computing it locally", request.request_id, exc)
             params["do_remote_prefill"] = False
             return None
 
     def _read_tokens(self, request: Any, prefill: RemotePrefill) -> int:
-        n = request.num_prompt_tokens
+        n = request.num_prompt_tokens - self.backoff
         return min(prefill.num_tokens, n) if prefill.num_tokens else n
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         prefill = self._remote(request)
         if prefill is None:
             return 0, False
+        if self.backoff and prefill.num_tokens != request.num_prompt_tokens - self.backoff:
+            # its state is after another token count than the one this side continues from
+            log.warning("request %s: the prefill computed %d of %d prompt tokens, a state model needs %d; "
+                        "computing it locally", request.request_id, prefill.num_tokens, request.num_prompt_tokens,
+                        request.num_prompt_tokens - self.backoff)
+            self.orders.reads.append(release_order(request.request_id, prefill))
+            request.kv_transfer_params["do_remote_prefill"] = False
+            return 0, False
         num_tokens = self._read_tokens(request, prefill)
         # vLLM recomputes the last prompt token to sample the next one: when the local
-        # prefix cache holds all but that token, there is nothing worth reading.
-        if num_computed >= num_tokens - 1:
+        # prefix cache holds all but that token, there is nothing worth reading. (A state
+        # model's prefill stopped short of that token already.)
+        if num_computed >= num_tokens - (0 if self.backoff else 1):
             return 0, False
         return num_tokens - num_computed, True
 
@@ -73,7 +103,7 @@ class SchedulerSide:
             return
         num_tokens = self._read_tokens(request, prefill)
         local = [list(ids) for ids in blocks.get_block_ids()]
-        self.orders.reads.append(read_order(request.request_id, prefill, self.block_sizes, local, num_tokens,
+        self.orders.reads.append(read_order(request.request_id, prefill, self.groups, local, num_tokens,
                                             num_tokens - num_external_tokens))
 
     # --- both ----------------------------------------------------------------
@@ -98,9 +128,9 @@ class SchedulerSide:
                         request.request_id, exc)
             return False, None
         blocks = [list(map(int, ids)) for ids in block_ids]
-        self.orders.holds.append(HoldOrder(request.request_id, blocks, self.lease_s))
+        self.orders.holds.append(HoldOrder(request.request_id, held_blocks(self.groups, blocks), self.lease_s))
         return True, prefill_params(self.engine_id, request.request_id, host, port, self.tp_size, blocks,
-                                    request.num_computed_tokens)
+                                    request.num_computed_tokens, [g.block_size for g in self.groups])
 
     def take_orders(self) -> Orders:
         orders, self.orders = self.orders, Orders([], [])
