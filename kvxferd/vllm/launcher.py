@@ -44,10 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(directory: Path, seed: int) -> Path:
-    """The tiny random-weight model (made once per directory, in vLLM's environment)."""
-    subprocess.run([vllm_python(), "-m", "kvxferd.lab.tiny_models", str(directory), "--seed", str(seed)],
-                   check=True, capture_output=True)
+def make_model(directory: Path, seed: int, family: str = "dense") -> Path:
+    """A tiny random-weight model of `family` (made once per directory, in vLLM's environment)."""
+    subprocess.run([vllm_python(), "-m", "kvxferd.lab.tiny_models", str(directory), "--seed", str(seed),
+                    "--family", family], check=True, capture_output=True)
     return directory
 
 
@@ -85,6 +85,7 @@ class VllmServer:
     dtype: str = "bfloat16"
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2
     block_size: int = 32
+    prefix_caching: bool = True
     extra_config: dict[str, Any] = field(default_factory=dict)
     failure_policy: str = "recompute"
     env: dict[str, str] = field(default_factory=dict)
@@ -96,7 +97,8 @@ class VllmServer:
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", self.dtype, "--max-model-len", "4096", "--tensor-parallel-size", str(self.tp),
-               "--block-size", str(self.block_size), "--enable-prefix-caching", "-O0",
+               "--block-size", str(self.block_size),
+               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", "-O0",
                "--disable-uvicorn-access-log"]
         if self.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
