@@ -137,7 +137,12 @@ def weights_mismatch(local: Geometry, remote: Geometry) -> str:
 def explain_mismatch(local: Geometry, remote: Geometry) -> str:
     """The compatibility fields that differ, for the error a read ends with."""
     a, b = compat_fields(local), compat_fields(remote)
-    diffs = [f"{k}: local {a[k][:80]!r} vs remote {b[k][:80]!r}" for k in a if a[k] != b[k]]
+    diffs = [f"{k}: local {a[k][:80]!r} vs remote {b[k][:80]!r}" for k in a if a[k] != b[k] and k != "segments"]
+    if a["segments"] != b["segments"]:  # name the segments that differ, not a common prefix
+        mine, theirs = a["segments"].split(","), b["segments"].split(",")
+        only_local = [x for x in mine if x not in theirs][:3]
+        only_remote = [x for x in theirs if x not in mine][:3]
+        diffs.append(f"segments: local {only_local} vs remote {only_remote}")
     return "compatibility hash mismatch; " + "; ".join(diffs)
 
 

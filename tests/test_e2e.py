@@ -86,3 +86,23 @@ def test_read_of_unknown_remote_engine_fails_with_block_ids(cluster):
     assert fail.request == "d-400" and "not registered" in fail.reason
     # ... and the daemon keeps serving the next valid request
     assert cluster.transfer(401, num_tokens=20)["status"] == "received"
+
+
+@pytest.mark.parametrize("kind,p_layout,d_layout,p_tp,d_tp,p_block", [
+    ("dense", "LBHNC", "LBHNC", 2, 4, 16),   # FlashAttention as the connector asks for it (head-major)
+    ("dense", "BLHNC", "LBHNC", 4, 2, 16),   # block-outermost prefill, layer-outermost decode
+    ("dense", "LBNHC", "BLNHC", 2, 2, 16),   # token-major (vLLM's default without a connector): same TP
+    ("dense", "LBHNC", "BLHNC", 1, 2, 8),    # prefill blocks of 8 tokens into the decode's 16, across TP
+    ("mla", "LBNHC", "LBNHC", 2, 1, 16),     # FlashMLA / Triton MLA latents
+    ("mla", "LBNHC", "BLNHC", 1, 2, 16),
+])
+def test_vllm_gpu_layouts_through_real_daemons(kind, p_layout, d_layout, p_tp, d_tp, p_block):
+    """Host memory laid out as vLLM 0.32 allocates a GPU backend's cache (kvxferd.vllm.layout.
+    layer_caches; tests/test_vllm_gpu_layouts.py checks it against vLLM's own allocator), described
+    by the connector's layout code, moved by two daemons and verified byte for byte."""
+    base = PRESETS["mla"] if kind == "mla" else replace(DENSE, kv_heads=4, head_dim=32)
+    d = replace(base, layout=d_layout, block_size=16, num_blocks=96)
+    p = replace(d, layout=p_layout, block_size=p_block, num_blocks=96 * 16 // p_block)
+    result = run_demo(d, p_tp, d_tp, requests=4, max_tokens=90, hit_ratio=0.5, seed=p_tp * 7 + d_tp, p_shape=p)
+    assert result.received == 4 and result.failed == 0
+    assert result.bytes > 0

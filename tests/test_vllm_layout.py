@@ -208,6 +208,26 @@ def test_sliding_window_with_a_longer_decode_window_reads_what_the_prefill_holds
     assert (order.local_blocks, order.remote_blocks) == ([[43, 44]], [[31, 32]])
 
 
+def test_sliding_window_with_a_local_prefix_hit_reads_the_missing_window_tail():
+    """The decode caches the first 3 blocks; the window (last 3 blocks) needs blocks 2..4, of which
+    only 3 and 4 are missing."""
+    groups = [GroupInfo("attention", 4), GroupInfo("attention", 4)]
+    prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 11, 12, 13), (1, 2, 3, 4, 5)), 19)
+    order = handoff.read_order("d", prefill, groups, [[0, 0, 21, 22, 23], [6, 7, 8, 9, 10]], 19, 12)
+    assert order.local_blocks == [[22, 23], [9, 10]]
+    assert order.remote_blocks == [[11, 12, 13], [1, 2, 3, 4, 5]]  # the daemon skips the cached ones
+    chunks = group_chunks_for(order, 19)
+    assert [c.remote_page.tolist() for c in chunks] == [[12, 13], [4, 5]]
+
+
+def group_chunks_for(order, num_tokens):
+    from kvxferd.plan.descriptors import group_chunks
+    from kvxferd.plan.planner import GroupPairing
+    pairing = GroupPairing("g", "attention", 4, 4, 1, 1, 64, 64, 4, 1, 1)
+    return [group_chunks(pairing, num_tokens, np.array(lo), np.array(re))
+            for lo, re in zip(order.local_blocks, order.remote_blocks)]
+
+
 def overlaid_world(bs: int, seed: int):
     """One rank, one buffer, two cache groups each with one layer viewing the whole buffer."""
     rank = AttentionRank("LBHNC", 1, 24, (0, 2), bs, 16)

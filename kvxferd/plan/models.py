@@ -48,7 +48,9 @@ class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "bf16"
     block_size: int = 16  # tokens per logical block
     kernel_block_size: int = 0  # tokens per kernel page; 0: same as block_size
-    layout: Literal["hnd", "nhd", "blocks-first"] = "hnd"
+    # hnd, nhd, blocks-first: the layouts above; LBHNC ... BHLNC: vLLM 0.32's KVCacheLayout, as its
+    # allocator lays out every backend's cache (dense and mla only; described by the connector's code)
+    layout: Literal["hnd", "nhd", "blocks-first", "LBHNC", "LBNHC", "BLHNC", "BLNHC"] = "hnd"
     num_blocks: int = 64
     latent_dim: int = 576  # MLA: kv_lora_rank + rope dim
     ssm_layers: int = 2  # hybrid: SSM layers (attention layers are `layers`)
@@ -97,9 +99,32 @@ def build(shape: ModelShape, tp_size: int, tp_rank: int) -> Geometry:
     """The geometry of rank `tp_rank` of an engine running `shape` at TP `tp_size`."""
     if shape.block_size < 1 or shape.num_blocks < 1 or shape.layers < 1:
         raise GeometryError("block_size, num_blocks and layers must be positive")
+    if shape.layout.isupper():
+        return _vllm_layout(shape, tp_size, tp_rank)
     builder = {"dense": _dense, "mla": _mla, "mamba2": _hybrid, "gdn": _hybrid,
                "gemma4": _gemma4}[shape.kind]
     return validate(builder(shape, tp_size, tp_rank))
+
+
+def _vllm_layout(shape: ModelShape, tp_size: int, tp_rank: int) -> Geometry:
+    """A dense or MLA cache as vLLM 0.32 allocates it for a GPU backend (FlashAttention,
+    FlashInfer, Triton; FlashMLA, Triton MLA), described by the vLLM connector's layout code."""
+    from ..vllm import layout as vllm
+
+    if shape.kind not in ("dense", "mla"):
+        raise GeometryError(f"layout {shape.layout} is built for dense and mla models, not {shape.kind}")
+    kernel, phys = _kernel_pages(shape)
+    mla = shape.kind == "mla"
+    total = 1 if mla else shape.kv_heads
+    start, stop = shard(total, tp_size, tp_rank, "kv heads") if not mla else (0, 1)
+    content = shape.latent_dim if mla else 2 * shape.head_dim  # K|V of a token side by side, or the latent
+    nbytes, caches = vllm.layer_caches(shape.layout, shape.layers, shape.num_blocks * phys, stop - start, kernel,
+                                       content, shape.dtype_bytes)
+    spec = vllm.GroupSpec("attention", shape.block_size, "MLAAttentionSpec" if mla else "FullAttentionSpec",
+                          total_kv_heads=total, head_bytes=content * shape.dtype_bytes)
+    geo = vllm.geometry(shape.identity(), shape.dtype, tp_size, tp_rank, [nbytes], [spec], caches)
+    return msgspec.structs.replace(geo, groups=tuple(msgspec.structs.replace(g, name="attn" if not mla else "mla")
+                                                     for g in geo.groups))
 
 
 class _Layout:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
@@ -28,6 +29,7 @@ from ..client import EngineClient
 from .handoff import GroupInfo, Orders
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
+from .stats import KvxferdPromMetrics, KvxferdStats
 from .versions import check_vllm_version
 
 if TYPE_CHECKING:
@@ -152,6 +154,21 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors if self.num_groups == 1 else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = self.worker.take_stats()
+        return None if stats.empty() else KvxferdStats.of(stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferdStats(data=dict(data)) if data is not None else KvxferdStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KvxferdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -266,3 +266,27 @@ def _conv_parts(spec: GroupSpec, channels: int, temporal: tuple[int, ...],
                                 f"(heads of {k_dim}) and v ({v_heads} heads x {v_dim})")
         return [("q", qk // 2 // k_dim, k_dim), ("k", qk // 2 // k_dim, k_dim), ("v", v_heads, v_dim)]
     return [("x", channels, 1)]  # one projection (Mamba1 and others): channels shard as they are
+
+
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.32's KVCacheLayout
+
+
+def layer_caches(order: str, layers: int, blocks: int, heads: int, tokens: int, content: int, itemsize: int,
+                 group: int = 0, prefix: str = "model.layers") -> tuple[int, list[LayerCache]]:
+    """How vLLM 0.32 lays out one group's attention layers in one buffer for a KVCacheLayout
+    (`order`, outermost dimension first), as its allocator does for every backend: dense strides
+    in [L, B, H, N, C] stored in that order, one [B, H, N, C] view per layer.
+
+    Returns (buffer bytes, the layers' caches) with strides in elements of `itemsize`.
+    """
+    if sorted(order) != sorted("LBHNC") or order not in KV_CACHE_LAYOUTS:
+        raise GeometryError(f"KV cache layout {order!r}; vLLM's are {', '.join(KV_CACHE_LAYOUTS)}")
+    sizes = {"L": layers, "B": blocks, "H": heads, "N": tokens, "C": content}
+    strides, step = {}, 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= sizes[dim]
+    caches = [LayerCache(f"{prefix}.{i}.attn", group, 0, i * strides["L"] * itemsize,
+                         tuple(sizes[d] for d in "BHNC"), tuple(strides[d] for d in "BHNC"), itemsize)
+              for i in range(layers)]
+    return step * itemsize, caches

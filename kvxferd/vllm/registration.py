@@ -78,11 +78,12 @@ def _layer_kv_heads(model_config: Any, layer_name: str) -> int:
     """A per-layer KV head count in the model's config (Gemma4's full-attention layers), or 0."""
     per_layer = getattr(model_config.hf_text_config, "per_layer_config", None)
     index = re.search(r"\.(\d+)\.", layer_name)
-    if not per_layer or index is None:
+    if per_layer is None or index is None:
         return 0
-    entry = per_layer.get(int(index.group(1))) if isinstance(per_layer, dict) else None
-    if entry is None and isinstance(per_layer, dict):
-        entry = per_layer.get(index.group(1)) or per_layer.get(f"{int(index.group(1)):02d}")
+    try:  # transformers' per-layer view is indexed by layer; a plain dict may be keyed by str
+        entry = per_layer[int(index.group(1))]
+    except (KeyError, IndexError, TypeError):
+        entry = per_layer.get(index.group(1)) if isinstance(per_layer, dict) else None
     heads = entry.get("num_key_value_heads") if isinstance(entry, dict) else getattr(entry, "num_key_value_heads",
                                                                                       None)
     return int(heads or 0)

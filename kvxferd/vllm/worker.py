@@ -36,6 +36,20 @@ ORPHAN_GRACE_S = 5.0  # past its lease, a connected daemon's "expired" should ha
 
 
 @dataclass
+class TransferStats:
+    """What this worker's transfers did since vLLM last asked (`get_kv_connector_stats`)."""
+
+    read_seconds: list[float] = field(default_factory=list)  # reads received: post to arrival
+    read_bytes: list[int] = field(default_factory=list)
+    failed_reads: int = 0
+    sent: int = 0  # holds whose consumers all read them
+    expired: int = 0  # holds whose lease passed first
+
+    def empty(self) -> bool:
+        return not (self.read_seconds or self.failed_reads or self.sent or self.expired)
+
+
+@dataclass
 class Finished:
     """What one step reports to vLLM."""
 
@@ -56,6 +70,7 @@ class WorkerSide:
         self.reading: dict[str, ReadOrder] = {}
         self.releasing: set[str] = set()
         self.finished = Finished()
+        self.stats = TransferStats()
         self.lock = threading.Lock()
         self.closed = threading.Event()
 
@@ -174,6 +189,8 @@ class WorkerSide:
             if c.status in ("sent", "expired"):
                 if self.holds.pop(c.request_id, None) is not None:
                     self.finished.sending.add(c.request_id)
+                    self.stats.sent += c.status == "sent"
+                    self.stats.expired += c.status == "expired"
                     if c.status == "expired":
                         log.warning("kvxferd: request %s's lease passed before its consumers read it: %s",
                                     c.request_id, c.reason)
@@ -186,16 +203,24 @@ class WorkerSide:
                 if c.status == "received":
                     del self.reading[c.request_id]
                     self.finished.recving.add(c.request_id)
+                    self.stats.read_seconds.append(c.seconds)
+                    self.stats.read_bytes.append(c.nbytes)
                 else:
                     self._fail(c.request_id, c.reason)
 
     def _fail(self, request_id: str, reason: str) -> None:
         read = self.reading.pop(request_id)
+        self.stats.failed_reads += 1
         log.warning("kvxferd: read of request %s failed: %s", request_id, reason)
         self.finished.recving.add(request_id)
         self.finished.failed.add(request_id)
         for ids in read.local_blocks:
             self.finished.load_errors.update(ids)
+
+    def take_stats(self) -> TransferStats:
+        with self.lock:
+            stats, self.stats = self.stats, TransferStats()
+            return stats
 
     def _expire_orphaned_holds(self) -> None:
         """Holds whose lease passed without the daemon ending them (no daemon connected, or it
@@ -206,6 +231,7 @@ class WorkerSide:
             if now >= end + grace:
                 del self.holds[request_id]
                 self.finished.sending.add(request_id)
+                self.stats.expired += 1
                 log.warning("kvxferd: request %s's lease passed with no word from the daemon; blocks freed",
                             request_id)
 
