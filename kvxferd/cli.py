@@ -221,7 +221,7 @@ def bench_vllm(
     """Real vLLM P/D through kvxferd vs vLLM's NixlConnector: TTFT, decode TTFT, requests/s, idle CPU."""
     import tempfile
 
-    from .vllm import bench
+    from .lab import vllm_bench as bench
 
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-vllm-") as tmp:
         result = bench.run(rounds, lengths, concurrency, requests, max_tokens, idle_s, workdir or Path(tmp),
@@ -369,8 +369,8 @@ def demo(
     if engine != "synthetic":
         fail(f"unknown engine {engine!r}; synthetic or vllm")
     requests, max_tokens = requests or 64, max_tokens or 200
+    from .lab.synthetic.demo import DemoError, run_demo
     from .plan.models import PRESETS
-    from .synthetic.demo import DemoError, run_demo
 
     if model not in PRESETS:
         fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")
@@ -395,8 +395,8 @@ def demo(
 
 
 def _demo_vllm(requests: int, max_tokens: int, repeat: int, as_json: bool) -> None:
-    from .vllm.demo import run
-    from .vllm.launcher import LaunchError
+    from .lab.vllm_demo import run
+    from .lab.vllm_servers import LaunchError
 
     def say(m: str) -> None:
         typer.echo(m, err=True)

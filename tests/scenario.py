@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.integrity import block_rows
+from kvxferd.lab.synthetic import testing
 from kvxferd.plan.descriptors import (
     RequestBlocks,
     local_descs,
@@ -26,7 +27,6 @@ from kvxferd.plan.descriptors import (
 from kvxferd.plan.geometry import ATTENTION, Geometry
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.plan.planner import RankPlan, plan_rank
-from kvxferd.synthetic import testing
 
 
 def allocate_blocks(geo: Geometry, num_tokens: int, rng: np.random.Generator) -> tuple[tuple[int, ...], ...]:

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from kvxferd.client import Client, DaemonError
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 
@@ -88,12 +88,12 @@ def test_curve_side_channel_transfers_and_refuses_strangers(keys):
             try:
                 e = EngineProcess(d.socket, "decode-x", SHAPE, 2)
                 try:
-                    blocks = c.prefill.call("prefill", 50 + len(args), 20, 1.0)
-                    e.call("post_read", 50 + len(args), 20, c.remote(50 + len(args)), blocks, 0, 5.0)
-                    outcomes = e.call("wait_read", 50 + len(args), 15)
+                    blocks = c.prefill.prefill(50 + len(args), 20, 1.0)
+                    e.post_read(50 + len(args), 20, c.remote(50 + len(args)), blocks, 0, 5.0)
+                    outcomes = e.wait_read(50 + len(args), 15)
                     assert all(o[0] == "failed" and "no handshake answer" in o[2] for o in outcomes), outcomes
-                    c.prefill.call("wait_released", 50 + len(args), 10)
-                    c.prefill.call("free", blocks)
+                    c.prefill.wait_released(50 + len(args), 10)
+                    c.prefill.free(blocks)
                 finally:
                     e.close()
             finally:

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from kvxferd import handshake as hs
 from kvxferd import protocol as P
 from kvxferd.client import Client, DaemonError
+from kvxferd.lab.synthetic.demo import Cluster
 from kvxferd.memory import create_shm
 from kvxferd.plan.descriptors import RequestBlocks, request_indices
 from kvxferd.plan.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.plan.planner import PlanError, plan_rank
 from kvxferd.rpc import FrameError, FrameReader
-from kvxferd.synthetic.demo import Cluster
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 DECODE_ERRORS = P.DECODE_ERRORS
@@ -192,7 +192,7 @@ def call_error(c: Cluster, msg: P.Msg, fds=(), as_rank: int | None = None) -> Da
     to that decode rank (it belongs to the engine's process, not this one)."""
     with Client(c.daemons[1].socket) as client:
         if as_rank is not None:
-            client.call(P.Attach("decode", as_rank, c.decode.call("tokens")[as_rank]), P.Ok)
+            client.call(P.Attach("decode", as_rank, c.decode.tokens()[as_rank]), P.Ok)
         with pytest.raises(DaemonError) as err:
             client.call(msg, P.Ok, list(fds))
     return err.value
@@ -236,12 +236,12 @@ def test_requests_for_unknown_engines_and_bad_values(cluster):
 
 
 def test_block_ids_out_of_range_fail_the_request(cluster):
-    blocks = cluster.prefill.call("prefill", 1, 20, 1.0)
-    cluster.decode.call("post_read", 1, 20, cluster.remote(1), [[1000, 1001]], 0, 5.0)
-    outcomes = cluster.decode.call("wait_read", 1, 10)
+    blocks = cluster.prefill.prefill(1, 20, 1.0)
+    cluster.decode.post_read(1, 20, cluster.remote(1), [[1000, 1001]], 0, 5.0)
+    outcomes = cluster.decode.wait_read(1, 10)
     assert all(o[0] == "failed" and "remote block ids [1000, 1001] out of range" in o[2] for o in outcomes)
-    cluster.prefill.call("wait_released", 1, 10)
-    cluster.prefill.call("free", blocks)
+    cluster.prefill.wait_released(1, 10)
+    cluster.prefill.free(blocks)
 
 
 def test_handshake_garbage(cluster):
@@ -269,7 +269,7 @@ def test_handshake_garbage(cluster):
 
 def test_audit_requests_out_of_bounds(cluster):
     """Audits come from the network: rows outside the engine's memory, unknown requests, torn rows."""
-    blocks = cluster.prefill.call("prefill", 20, 40, 5.0, True)  # held with digests
+    blocks = cluster.prefill.prefill(20, 40, 5.0, True)  # held with digests
     ctx = zmq.Context()
 
     def ask(request_id: str, rows: bytes) -> hs.AuditReply:
@@ -291,8 +291,8 @@ def test_audit_requests_out_of_bounds(cluster):
         assert reply.ok and reply.digests == b"" and reply.reused == [[]]
     finally:
         ctx.term()
-    cluster.prefill.call("wait_released", 20, 10)
-    cluster.prefill.call("free", blocks)
+    cluster.prefill.wait_released(20, 10)
+    cluster.prefill.free(blocks)
 
 
 def test_daemon_still_serves_after_all_of_the_above(cluster):

@@ -75,7 +75,7 @@ def test_config_precedence(tmp_path):
 
 def test_serve_from_config_file(tmp_path):
     from kvxferd.client import Client
-    from kvxferd.synthetic.demo import DaemonProcess
+    from kvxferd.lab.synthetic.demo import DaemonProcess
 
     sock = tmp_path / "s" / "k.sock"
     conf = tmp_path / "k.toml"

@@ -25,6 +25,7 @@ from kvxferd import handshake as hs
 from kvxferd import protocol as P
 from kvxferd.engines import EngineRank, Engines
 from kvxferd.holds import Holds
+from kvxferd.lab.synthetic import testing
 from kvxferd.lanes import Lanes
 from kvxferd.memory import create_shm
 from kvxferd.nixl_driver import NixlDriver
@@ -34,7 +35,6 @@ from kvxferd.plan.models import PRESETS, build
 from kvxferd.protocol import RequestError
 from kvxferd.reads import Reads
 from kvxferd.recorder import Recorder
-from kvxferd.synthetic import testing
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 

@@ -10,9 +10,9 @@ import pytest
 
 from kvxferd import protocol as P
 from kvxferd.client import DaemonError, EngineClient
+from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
-from kvxferd.synthetic.demo import DaemonProcess
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
 NOBODY = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")  # nothing listens: a read there fails fast

@@ -1,12 +1,12 @@
 """End to end: two daemons and two synthetic engines in separate processes, real NIXL over
 loopback, real ZMQ and Unix sockets. The decode engine verifies every byte that arrives
-against what it would hold had it computed the cache itself (kvxferd.synthetic.engine)."""
+against what it would hold had it computed the cache itself (kvxferd.lab.synthetic.engine)."""
 
 import msgspec
 import pytest
 
+from kvxferd.lab.synthetic.demo import Cluster, run_demo
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, run_demo
 
 replace = msgspec.structs.replace
 DENSE = replace(PRESETS["dense"], num_blocks=128, layers=2)
@@ -65,11 +65,11 @@ def test_partial_and_full_prefix_hits(cluster):
 
 
 def test_lease_expires_without_consumers(cluster):
-    blocks = cluster.prefill.call("prefill", 300, 30, 0.3)
+    blocks = cluster.prefill.prefill(300, 30, 0.3)
     try:
-        assert cluster.prefill.call("wait_released", 300, 10) == ["expired", "expired"]
+        assert cluster.prefill.wait_released(300, 10) == ["expired", "expired"]
     finally:
-        cluster.prefill.call("free", blocks)
+        cluster.prefill.free(blocks)
     assert cluster.status(0).counters.expired >= 2
 
 
@@ -77,7 +77,7 @@ def test_read_of_unknown_remote_engine_fails_with_block_ids(cluster):
     from kvxferd.client import RemoteRef
 
     ref = RemoteRef("no-such-engine", cluster.host, cluster.port, 2, "req-x")
-    out = cluster.decode.call("decode", 400, 20, ref, [[0, 1]], 0, 5.0, msgspec.msgpack.encode(DENSE))
+    out = cluster.decode.decode(400, 20, ref, [[0, 1]], 0, 5.0, DENSE)
     assert out["status"] == "failed"
     assert "not registered" in out["reason"]
     assert out["block_ids"] == [out["local_blocks"]] * 4  # every decode rank reports its invalid blocks

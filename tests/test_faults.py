@@ -12,14 +12,13 @@ import pytest
 import zmq
 
 from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
 BIG = replace(PRESETS["dense"], num_blocks=2048, layers=8, block_size=16)
 BIG_TOKENS = 16 * 1900  # ~1 GB per prompt over 4 ranks: long enough over TCP to be caught mid-transfer
-SHAPE_BYTES = msgspec.msgpack.encode(SHAPE)
 
 
 def wait_for(pred, timeout: float, what: str):
@@ -44,23 +43,23 @@ def read_outcome(c: Cluster, seq: int, num_tokens: int, deadline: float, remote=
     block ids) stand for the prefill side's blocks.
     """
     if remote is None:
-        blocks = c.prefill.call("prefill", seq, num_tokens, 30.0)
+        blocks = c.prefill.prefill(seq, num_tokens, 30.0)
     elif blocks is None:
         blocks = [list(range(64))]
     t0 = time.monotonic()
-    local = c.decode.call("post_read", seq, num_tokens, remote or c.remote(seq), blocks, 0, deadline)
-    outcomes = c.decode.call("wait_read", seq, deadline + 10, timeout=deadline + 30)
+    local = c.decode.post_read(seq, num_tokens, remote or c.remote(seq), blocks, 0, deadline)
+    outcomes = c.decode.wait_read(seq, deadline + 10)
     return time.monotonic() - t0, outcomes, local
 
 
 def test_prefill_daemon_killed_mid_transfer_then_restarts_on_the_same_port():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         c.transfer(0, 64)  # handshake done, peer cached
-        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
-        c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 5.0)  # returns once posted
+        blocks = c.prefill.prefill(1, BIG_TOKENS, 30.0)
+        c.decode.post_read(1, BIG_TOKENS, c.remote(1), blocks, 0, 5.0)  # returns once posted
         c.daemons[0].kill()
         c.prefill.proc.kill()
-        outcomes = c.decode.call("wait_read", 1, 20)
+        outcomes = c.decode.wait_read(1, 20)
         assert len(outcomes) == 4  # exactly one completion per decode rank
         for status, block_ids, reason, _ in outcomes:
             assert status in ("failed", "received")
@@ -80,7 +79,7 @@ def test_prefill_daemon_killed_mid_transfer_then_restarts_on_the_same_port():
 def test_prefill_engine_killed_while_holding():
     with Cluster(SHAPE, 2, 4, daemon_args=["--handshake-timeout", "2"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, 40, 1.5)
+        blocks = c.prefill.prefill(1, 40, 1.5)
         c.prefill.proc.kill()
         # the daemon keeps the dead engine's memory while a reader could still be using it ...
         st = wait_for(lambda: [e for e in c.status(0).engines if e.state == "closing"] and c.status(0),
@@ -99,17 +98,17 @@ def test_prefill_engine_killed_while_holding():
 def test_decode_engine_killed_mid_read():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 5.0)
-        c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)
+        blocks = c.prefill.prefill(1, BIG_TOKENS, 5.0)
+        c.decode.post_read(1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)
         c.decode.proc.kill()
         st = wait_for(lambda: (lambda s: s if not s.engines and not s.in_flight else None)(c.status(1)),
                       30, "decode memory released after its transfers ended")
         assert st.quarantined == 0
         assert st.counters.failed + st.counters.received >= 4 + 4
         # the prefill side is told: every rank's hold ends once (sent if the reads completed, else expired)
-        assert sorted(c.prefill.call("wait_released", 1, 15)) in (["sent", "sent"], ["expired", "expired"],
+        assert sorted(c.prefill.wait_released(1, 15)) in (["sent", "sent"], ["expired", "expired"],
                                                                    ["expired", "sent"])
-        c.prefill.call("free", blocks)
+        c.prefill.free(blocks)
         c.decode = EngineProcess(c.daemons[1].socket, "decode", BIG, 4)
         c.engines.append(c.decode)
         serves_next_request(c, 2)
@@ -159,12 +158,12 @@ def test_read_deadline_shorter_than_the_handshake(silent_peer):
 
 def test_lost_notification_lease_expiry_frees_the_blocks():
     with Cluster(SHAPE, 2, 4) as c:
-        blocks = c.prefill.call("prefill", 1, 40, 1.0)
+        blocks = c.prefill.prefill(1, 40, 1.0)
         wrong = RemoteRef("prefill", c.host, c.port, 2, "req-does-not-exist")  # notifications go nowhere
         _, outcomes, _ = read_outcome(c, 1, 40, 5.0, remote=wrong, blocks=blocks)
         assert [o[0] for o in outcomes] == ["received"] * 4
-        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
-        c.prefill.call("free", blocks)
+        assert c.prefill.wait_released(1, 10) == ["expired", "expired"]
+        c.prefill.free(blocks)
         st = c.status(0)
         assert st.held == [] and st.counters.expired == 2
         serves_next_request(c, 2)
@@ -173,19 +172,19 @@ def test_lost_notification_lease_expiry_frees_the_blocks():
 def test_compatibility_hash_mismatch_names_the_difference():
     other = replace(SHAPE, head_dim=64)
     with Cluster(SHAPE, 2, 4, p_shape=other) as c:
-        blocks = c.prefill.call("prefill", 1, 40, 2.0)
+        blocks = c.prefill.prefill(1, 40, 2.0)
         _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and o[1] == local for o in outcomes)
         assert "compatibility hash mismatch" in outcomes[0][2] and "head_dim=128" in outcomes[0][2] \
             and "head_dim=64" in outcomes[0][2]
-        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
-        c.prefill.call("free", blocks)
+        assert c.prefill.wait_released(1, 10) == ["expired", "expired"]
+        c.prefill.free(blocks)
 
 
 def test_deadline_passes_mid_transfer_memory_quarantined():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
+        blocks = c.prefill.prefill(1, BIG_TOKENS, 30.0)
         _, outcomes, local = read_outcome(c, 1, BIG_TOKENS, 0.002, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
         st = c.status(1)
@@ -193,19 +192,19 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         assert sum(e.pinned for e in st.engines) == st.quarantined, st  # each keeps its rank's memory
         wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined transfers to finish")
         assert all(e.pinned == 0 for e in c.status(1).engines)
-        c.prefill.call("wait_released", 1, 30)
-        c.prefill.call("free", blocks)
+        c.prefill.wait_released(1, 30)
+        c.prefill.free(blocks)
         serves_next_request(c, 2)
 
 
 def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
     with Cluster(BIG, 2, 4, daemon_args=["--ucx", "UCX_TLS=tcp"]) as c:
         serves_next_request(c, 0)
-        blocks = c.prefill.call("prefill", 1, BIG_TOKENS, 30.0)
-        local = c.decode.call("post_read", 1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)  # returns once posted
+        blocks = c.prefill.prefill(1, BIG_TOKENS, 30.0)
+        local = c.decode.post_read(1, BIG_TOKENS, c.remote(1), blocks, 0, 30.0)  # returns once posted
         daemon = c.daemons[1]
         daemon.proc.send_signal(signal.SIGTERM)
-        outcomes = c.decode.call("wait_read", 1, 30, timeout=60)
+        outcomes = c.decode.wait_read(1, 30)
         # Each rank's read ends exactly once: finished before the stop (all its bytes), or failed by
         # the stop with its block ids. Ranks post one after another, so early ones may finish first.
         received = [o for o in outcomes if o[0] == "received"]
@@ -215,5 +214,5 @@ def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
         assert daemon.proc.wait(30) == 0  # within systemd's TimeoutStopSec
         log = Path(daemon.log.name).read_text()
         assert "kvxferd stopped" in log and "Traceback" not in log
-        c.prefill.call("wait_released", 1, 30)  # quarantined READs that ended still notified: sent or expired
-        c.prefill.call("free", blocks)
+        c.prefill.wait_released(1, 30)  # quarantined READs that ended still notified: sent or expired
+        c.prefill.free(blocks)

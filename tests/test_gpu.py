@@ -15,8 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 
 pytestmark = pytest.mark.gpu
 replace = msgspec.structs.replace
@@ -33,7 +33,7 @@ def test_vram_transfer_byte_exact(model, p_tp, d_tp):
             assert out["released"] == ["sent"] * p_tp
         engines = cluster.status(1).engines
         assert {e["memory"] for e in engines} == {"VRAM"}
-        assert cluster.decode.call("verify_all") == []
+        assert cluster.decode.verify_all() == []
 
 
 def test_cuda_ipc_refused_clearly_and_daemon_keeps_serving():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvxferd import integrity
+from kvxferd.lab.synthetic import testing
+from kvxferd.lab.synthetic.demo import Cluster
 from kvxferd.memory import Mapping, buffer_address, create_shm
 from kvxferd.plan.models import PRESETS, build
-from kvxferd.synthetic import testing
-from kvxferd.synthetic.demo import Cluster
 
 
 def host_mapping(nbytes: int, seed: int = 0) -> tuple[Mapping, np.ndarray]:
@@ -90,11 +90,10 @@ def test_block_rows_cover_exactly_the_blocks_bytes():
 
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=2)
-SHAPE_BYTES = msgspec.msgpack.encode(SHAPE)
 
 
 def audited_read(c: Cluster, seq: int, tokens: int, blocks, hit: int = 0, audit=None) -> dict:
-    return c.decode.call("decode", seq, tokens, c.remote(seq), blocks, hit, 10.0, SHAPE_BYTES, audit)
+    return c.decode.decode(seq, tokens, c.remote(seq), blocks, hit, 10.0, SHAPE, audit)
 
 
 def test_audited_reads_are_received_byte_exact_and_counted():
@@ -109,43 +108,43 @@ def test_a_block_reused_before_the_read_is_caught_with_its_block_ids():
     with Cluster(SHAPE, 2, 4, daemon_args=["--integrity-audit"]) as c:
         c.transfer(0, 64)
         tokens = 16 * 6
-        blocks = c.prefill.call("prefill", 1, tokens, 10.0)
+        blocks = c.prefill.prefill(1, tokens, 10.0)
         reused = [[blocks[0][2], blocks[0][4]]]
-        c.prefill.call("reuse", reused, 77)  # another prompt lands in two held blocks
-        local = c.decode.call("post_read", 1, tokens, c.remote(1), blocks, 0, 10.0)
-        outcomes = c.decode.call("wait_read", 1, 20)
+        c.prefill.reuse(reused, 77)  # another prompt lands in two held blocks
+        local = c.decode.post_read(1, tokens, c.remote(1), blocks, 0, 10.0)
+        outcomes = c.decode.wait_read(1, 20)
         want = [[local[0][2], local[0][4]]]  # same block size: local block k holds remote block k
         assert [o[0] for o in outcomes] == ["failed"] * 4, outcomes
         assert all(o[1] == want and o[2].startswith("integrity:") for o in outcomes), outcomes
         assert c.status(1).counters.integrity_failures == 4
-        c.decode.call("free", c.decode.call("drop", 1))
-        assert c.prefill.call("wait_released", 1, 15) == ["expired", "expired"]  # consumers never notified
-        c.prefill.call("free", blocks)
+        c.decode.free(c.decode.drop(1))
+        assert c.prefill.wait_released(1, 15) == ["expired", "expired"]  # consumers never notified
+        c.prefill.free(blocks)
         out = c.transfer(2, 100)  # the next one is fine
         assert out["status"] == "received", out
 
 
 def test_per_request_audit_and_a_prefill_without_digests():
     with Cluster(SHAPE, 2, 4) as c:  # integrity_audit off on both daemons
-        blocks = c.prefill.call("prefill", 1, 40, 10.0, True)  # this hold asks for digests ...
+        blocks = c.prefill.prefill(1, 40, 10.0, True)  # this hold asks for digests ...
         out = audited_read(c, 1, 40, blocks, audit=True)  # ... and this read for the audit
         assert out["status"] == "received", out
-        assert c.prefill.call("wait_released", 1, 10) == ["sent", "sent"]
-        c.prefill.call("free", blocks)
-        blocks = c.prefill.call("prefill", 2, 40, 1.0)  # held without digests
+        assert c.prefill.wait_released(1, 10) == ["sent", "sent"]
+        c.prefill.free(blocks)
+        blocks = c.prefill.prefill(2, 40, 1.0)  # held without digests
         out = audited_read(c, 2, 40, blocks, audit=True)
         assert out["status"] == "failed" and "held without digests" in out["reason"], out
         assert out["block_ids"] == [out["local_blocks"]] * 4
         assert c.status(1).counters.integrity_failures == 0  # unverifiable, not found corrupt
-        c.prefill.call("wait_released", 2, 10)
-        c.prefill.call("free", blocks)
+        c.prefill.wait_released(2, 10)
+        c.prefill.free(blocks)
 
 
 def test_a_read_that_outlives_its_hold_is_not_vouched_for():
     """The lease passes while the bytes move: the prefill engine may have reused the blocks."""
     with Cluster(SHAPE, 2, 4, daemon_args=["--integrity-audit"]) as c:
-        blocks = c.prefill.call("prefill", 1, 40, 0.3)
-        assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]
+        blocks = c.prefill.prefill(1, 40, 0.3)
+        assert c.prefill.wait_released(1, 10) == ["expired", "expired"]
         out = audited_read(c, 1, 40, blocks)
         assert out["status"] == "failed" and "is not held" in out["reason"], out
-        c.prefill.call("free", blocks)
+        c.prefill.free(blocks)

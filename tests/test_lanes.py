@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, EngineProcess, run_demo
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, EngineProcess, run_demo
 
 replace = msgspec.structs.replace
 SMALL_SPLIT = str(64 << 10)  # a read of 128 KiB or more is split
@@ -43,11 +43,11 @@ def test_an_engine_registered_after_the_first_handshake_is_read_on_lanes(small_s
         assert c.transfer(0, num_tokens=100)["status"] == "received"
         second = EngineProcess(c.daemons[0].socket, "prefill-b", shape, 2)
         c.engines.append(second)
-        blocks = second.call("prefill", 1, 100, 30.0)
-        out = c.decode.call("decode", 1, 100, RemoteRef("prefill-b", c.host, c.port, 2, "req-1"), blocks, 0, 30.0,
-                            msgspec.msgpack.encode(shape))
+        blocks = second.prefill(1, 100, 30.0)
+        out = c.decode.decode(1, 100, RemoteRef("prefill-b", c.host, c.port, 2, "req-1"), blocks, 0, 30.0,
+                            shape)
         assert out["status"] == "received", out  # and verified byte for byte
-        assert second.call("wait_released", 1, 10) == ["sent", "sent"]
+        assert second.wait_released(1, 10) == ["sent", "sent"]
         assert c.status(1).counters.split_reads == 8
 
 

@@ -15,8 +15,8 @@ from netlab import Netlab, unavailable
 from test_faults import wait_for
 
 from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 pytestmark = pytest.mark.skipif(bool(why := unavailable()), reason=f"network faults need namespaces: {why}")
 
@@ -57,8 +57,8 @@ def assert_nothing_left(c: Cluster) -> None:
     wait_for(lambda: (lambda d: not d.in_flight and d.quarantined == 0)(c.status(1)), 60,
              "the decode daemon to have nothing in flight or quarantined")
     wait_for(lambda: c.status(0).held == [], 40, "the prefill daemon to hold nothing")
-    assert c.decode.call("pending") == [0] * 4, "a read completed twice"
-    assert c.prefill.call("pending") == [0] * 2, "a hold completed twice"
+    assert c.decode.pending() == [0] * 4, "a read completed twice"
+    assert c.prefill.pending() == [0] * 2, "a hold completed twice"
 
 
 def received(c: Cluster, seq: int, tokens: int, hit: int = 0, deadline_s: float = 30.0) -> float:
@@ -95,18 +95,18 @@ def test_packet_loss(lab, cluster, loss):
 def test_partition_that_heals_mid_transfer(lab, cluster):
     c = cluster
     received(c, 0, 64)  # handshake done: the partition hits READs, not the handshake
-    blocks = c.prefill.call("prefill", 1, LONG, 30.0)
+    blocks = c.prefill.prefill(1, LONG, 30.0)
     dropped = lab.impairment.dropped.value
     timers = [at(0.2, lab.partition), at(3.2, lambda: lab.partition(False))]
     try:
-        out = c.decode.call("decode", 1, LONG, c.remote(1), blocks, 0, 30.0, msgspec.msgpack.encode(SHAPE),
+        out = c.decode.decode(1, LONG, c.remote(1), blocks, 0, 30.0, SHAPE,
                             timeout=90)
     finally:
         for t in timers:
             t.join()
     assert out["status"] == "received" and out["latency_s"] > 3.2, out  # verified byte for byte
-    assert c.prefill.call("wait_released", 1, 30) == ["sent", "sent"]
-    c.prefill.call("free", blocks)
+    assert c.prefill.wait_released(1, 30) == ["sent", "sent"]
+    c.prefill.free(blocks)
     assert lab.impairment.dropped.value > dropped
     received(c, 2, 500)
 
@@ -114,26 +114,26 @@ def test_partition_that_heals_mid_transfer(lab, cluster):
 def test_partition_that_does_not_heal(lab, cluster):
     c = cluster
     received(c, 0, 64)
-    blocks = c.prefill.call("prefill", 1, LONG, 3.0)
+    blocks = c.prefill.prefill(1, LONG, 3.0)
     t0 = time.monotonic()
-    local = c.decode.call("post_read", 1, LONG, c.remote(1), blocks, 0, 4.0)
+    local = c.decode.post_read(1, LONG, c.remote(1), blocks, 0, 4.0)
     lab.partition()
-    outcomes = c.decode.call("wait_read", 1, 20)
+    outcomes = c.decode.wait_read(1, 20)
     elapsed = time.monotonic() - t0
     assert len(outcomes) == 4 and elapsed < 4.0 + 1.5, (elapsed, outcomes)
     assert all(o[0] == "failed" and o[1] == local and o[2].startswith("deadline") for o in outcomes), outcomes
     # UCX cannot cancel a READ: while the peer is unreachable its memory stays quarantined
     st = c.status(1)
     assert st.quarantined == 4 and [e.pinned for e in st.engines] == [1] * 4, st
-    assert c.prefill.call("wait_released", 1, 10) == ["expired", "expired"]  # the lease passed
-    c.prefill.call("free", blocks)
-    c.decode.call("free", c.decode.call("drop", 1))
+    assert c.prefill.wait_released(1, 10) == ["expired", "expired"]  # the lease passed
+    c.prefill.free(blocks)
+    c.decode.free(c.decode.drop(1))
     # a new request to the unreachable peer fails within its own deadline too
-    blocks = c.prefill.call("prefill", 2, 300, 2.0)
-    out = c.decode.call("decode", 2, 300, c.remote(2), blocks, 0, 2.0, msgspec.msgpack.encode(SHAPE), timeout=60)
+    blocks = c.prefill.prefill(2, 300, 2.0)
+    out = c.decode.decode(2, 300, c.remote(2), blocks, 0, 2.0, SHAPE)
     assert out["status"] == "failed" and out["latency_s"] < 2.0 + 1.0 and out["block_ids"], out
-    c.prefill.call("wait_released", 2, 10)
-    c.prefill.call("free", blocks)
+    c.prefill.wait_released(2, 10)
+    c.prefill.free(blocks)
     assert c.status(1).quarantined == 8  # its READs were posted on the cached connection: quarantined too
     lab.partition(False)  # the network comes back: TCP retransmits, the quarantined READs end
     wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined READs to end once the network is back")
@@ -156,13 +156,13 @@ def test_prefill_host_moves_to_a_new_address(lab, cluster, tmp_path):
         assert host == new_ip
         c.host, c.port = host, int(port)
         # a decode still naming the old address fails within its deadline, with its block ids ...
-        local = c.decode.call("post_read", 1, 100, RemoteRef("prefill", old.host, old.port, 2, "req-old"),
+        local = c.decode.post_read(1, 100, RemoteRef("prefill", old.host, old.port, 2, "req-old"),
                               [list(range(7))], 0, 3.0)
         t0 = time.monotonic()
-        outcomes = c.decode.call("wait_read", 1, 20)
+        outcomes = c.decode.wait_read(1, 20)
         assert time.monotonic() - t0 < 3.0 + 1.0
         assert [o[0] for o in outcomes] == ["failed"] * 4 and all(o[1] == local for o in outcomes), outcomes
-        c.decode.call("free", c.decode.call("drop", 1))
+        c.decode.free(c.decode.drop(1))
         # ... and the new address serves the next requests
         received(c, 2, 777)
         received(c, 3, 64, hit=48)

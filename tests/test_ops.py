@@ -20,8 +20,8 @@ import yaml
 
 from kvxferd import protocol as P
 from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -49,15 +49,15 @@ def cluster():
         for seq in range(6):
             assert c.transfer(seq, num_tokens=20 + 13 * seq, hit_tokens=16 * (seq % 2))["status"] == "received"
         bad = RemoteRef("missing-engine", c.host, c.port, 2, "req-x")
-        out = c.decode.call("decode", 99, 20, bad, [[0, 1]], 0, 5.0, msgspec.msgpack.encode(SHAPE))
+        out = c.decode.decode(99, 20, bad, [[0, 1]], 0, 5.0, SHAPE)
         assert out["status"] == "failed"
         from kvxferd import protocol as P
         from kvxferd.client import Client, DaemonError
         with Client(c.daemons[0].socket) as rpc, pytest.raises(DaemonError, match="unknown_engine"):
             rpc.call(P.Hold("no-such-engine", 0, "r", 1.0), P.Ok)
-        blocks = c.prefill.call("prefill", 98, 20, 0.2)
-        assert c.prefill.call("wait_released", 98, 10) == ["expired", "expired"]
-        c.prefill.call("free", blocks)
+        blocks = c.prefill.prefill(98, 20, 0.2)
+        assert c.prefill.wait_released(98, 10) == ["expired", "expired"]
+        c.prefill.free(blocks)
         yield c
 
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import scenario
 
+from kvxferd.lab.synthetic import testing
 from kvxferd.plan.descriptors import RequestBlocks, group_chunks, region_addresses, remote_descs, request_indices
 from kvxferd.plan.geometry import STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View
 from kvxferd.plan.models import ModelShape, build, state_pages
 from kvxferd.plan.planner import GroupPairing, PlanError, consumers, plan_rank, targets
-from kvxferd.synthetic import testing
 
 
 def plan_for(shape, p_tp, d_tp, rank, merge=True):

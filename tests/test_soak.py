@@ -16,8 +16,8 @@ import msgspec
 
 from kvxferd.benchmarks.harness import rss_mb
 from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.plan.models import PRESETS
-from kvxferd.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 
 REQUESTS = int(os.environ.get("KVXFERD_SOAK_REQUESTS", "1000"))
 SAMPLES = os.environ.get("KVXFERD_SOAK_SAMPLES")
@@ -106,13 +106,13 @@ def test_soak():
                 continue
             if kind == "missing_engine":
                 ref = RemoteRef("missing", c.host, c.port, 2, f"req-{seq}")
-                c.decode.call("post_read", seq, tokens, ref, [list(range(20))], 0, 5.0)
-                results = c.decode.call("wait_read", seq, 15)
-                c.decode.call("free", c.decode.call("drop", seq))
+                c.decode.post_read(seq, tokens, ref, [list(range(20))], 0, 5.0)
+                results = c.decode.wait_read(seq, 15)
+                c.decode.free(c.decode.drop(seq))
                 assert len(results) == 4 and {r[0] for r in results} <= EXPECT[kind][0]
                 outcomes["failed"] += 4
                 continue
-            blocks = c.prefill.call("prefill", seq, tokens, 0.5)
+            blocks = c.prefill.prefill(seq, tokens, 0.5)
             remote = c.remote(seq)
             remote_blocks = blocks
             hit = 0
@@ -125,9 +125,9 @@ def test_soak():
                 hit = tokens + 16
             elif kind == "tiny_deadline":
                 deadline = 0.0005
-            c.decode.call("post_read", seq, tokens, remote, remote_blocks, hit, deadline)
-            results = c.decode.call("wait_read", seq, 15)
-            c.decode.call("free", c.decode.call("drop", seq))
+            c.decode.post_read(seq, tokens, remote, remote_blocks, hit, deadline)
+            results = c.decode.wait_read(seq, 15)
+            c.decode.free(c.decode.drop(seq))
             statuses = {r[0] for r in results}
             assert len(results) == 4 and statuses <= EXPECT[kind][0], (seq, kind, results)
             for status, block_ids, reason, _ in results:
@@ -135,15 +135,15 @@ def test_soak():
                     assert block_ids and reason
                 outcomes[status] += 1
             deferred.append((seq, EXPECT[kind][1]))
-            c.prefill.call("free", blocks)  # the engine frees its copy; the daemon's hold ends by itself
+            c.prefill.free(blocks)  # the engine frees its copy; the daemon's hold ends by itself
         elapsed = time.monotonic() - t0
         time.sleep(0.7)  # every short lease has passed
         for seq, allowed in deferred:
-            released = c.prefill.call("wait_released", seq, 10)
+            released = c.prefill.wait_released(seq, 10)
             assert len(released) == 2 and set(released) <= allowed, (seq, released)
             outcomes.update(f"prefill_{r}" for r in released)
-        assert c.prefill.call("pending") == [0, 0], "a hold completed twice"
-        assert c.decode.call("pending") == [0, 0, 0, 0], "a read completed twice"
+        assert c.prefill.pending() == [0, 0], "a hold completed twice"
+        assert c.decode.pending() == [0, 0, 0, 0], "a read completed twice"
         p, d = c.status(0), c.status(1)
         assert p.held == [] and d.in_flight == [] and d.quarantined == 0
         sampler.sample(c, REQUESTS, generation)

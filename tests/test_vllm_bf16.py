@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from vllm_world import daemon_status, model, start, text
 
-from kvxferd.synthetic.demo import DaemonProcess
-from kvxferd.vllm.launcher import VllmServer, handoff, prompts
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.vllm_servers import VllmServer, handoff, prompts
 
 pytestmark = pytest.mark.vllm
 

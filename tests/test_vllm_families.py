@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import pytest
 from vllm_world import MODELS, daemon_status, start, text, wait_until
 
-from kvxferd.synthetic.demo import DaemonProcess
-from kvxferd.vllm.launcher import VllmServer, free_port, handoff, make_model, prompts
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.vllm_servers import VllmServer, free_port, handoff, make_model, prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
+from kvxferd.lab.vllm_servers import vllm_python
 from kvxferd.vllm import layout
-from kvxferd.vllm.launcher import vllm_python
 
 pytestmark = pytest.mark.vllm
 

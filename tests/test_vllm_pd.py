@@ -18,9 +18,9 @@ import urllib.request
 import pytest
 from vllm_world import daemon_status, model, start, text, wait_until
 
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.vllm_servers import ProxyProcess, VllmServer, free_port, handoff, prompts
 from kvxferd.protocol import Counters
-from kvxferd.synthetic.demo import DaemonProcess
-from kvxferd.vllm.launcher import ProxyProcess, VllmServer, free_port, handoff, prompts
 
 pytestmark = pytest.mark.vllm
 

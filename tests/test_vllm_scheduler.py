@@ -110,8 +110,8 @@ def test_params_parse_flat_block_lists_and_refuse_wrong_group_counts():
 
 def test_orders_survive_the_trip_to_workers():
     orders = handoff.Orders([handoff.HoldOrder("a", [[1]], 5.0)],
-                            [handoff.read_order("b", handoff.parse_remote(prefill_params(), 1), ATTENTION, [[9, 8, 7, 6]],
-                                                100, 32)])
+                            [handoff.read_order("b", handoff.parse_remote(prefill_params(), 1), ATTENTION,
+                                                [[9, 8, 7, 6]], 100, 32)])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(orders), type=handoff.Orders) == orders
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from vllm_world import daemon_status, wait_until
 
+from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import buffer_address, create_shm
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.protocol import RemoteRef
-from kvxferd.synthetic.demo import DaemonProcess
 from kvxferd.vllm import worker as worker_mod
 from kvxferd.vllm.handoff import HoldOrder, Orders, ReadOrder
 from kvxferd.vllm.shared_kv import SharedBuffer

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from kvxferd import protocol as P
 from kvxferd.client import Client
-from kvxferd.synthetic.demo import DaemonProcess
-from kvxferd.vllm.launcher import VllmServer, make_model
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.vllm_servers import VllmServer, make_model
 
 MODELS = Path(os.environ.get("KVXFERD_TEST_MODELS", Path.home() / ".cache" / "kvxferd" / "models"))
 

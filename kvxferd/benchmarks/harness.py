@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..client import Completion, EngineClient
+from ..lab.synthetic.demo import DaemonProcess
 from ..memory import create_shm
 from ..plan.geometry import Geometry
-from ..synthetic.demo import DaemonProcess
 
 if TYPE_CHECKING:
     from ..memory import VmmBuffer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan.geometry import ATTENTION, TOKEN_MAJOR, CacheGroup, Geometry, Segment
+from ...plan.geometry import ATTENTION, TOKEN_MAJOR, CacheGroup, Geometry, Segment
 
 POISON = 0xEE  # what untouched decode memory holds
 _STATE_SLOT = 1 << 24  # token coordinate of state blocks: slot + list position

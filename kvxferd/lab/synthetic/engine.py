@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..client import Completion, EngineClient, MemoryHandle, RemoteRef
-from ..memory import create_shm
-from ..plan.geometry import ATTENTION, Geometry
-from ..plan.models import ModelShape, build
+from ...client import Completion, EngineClient, MemoryHandle, RemoteRef
+from ...memory import create_shm
+from ...plan.geometry import ATTENTION, Geometry
+from ...plan.models import ModelShape, build
 from . import testing
 
 
@@ -93,14 +93,14 @@ class SyntheticEngine:
         if device == "cuda-ipc":
             import torch
 
-            from ..memory import export_cuda
+            from ...memory import export_cuda
             tensors = [torch.full((size,), testing.POISON, dtype=torch.uint8, device="cuda") for size in geo.buffers]
             torch.cuda.synchronize()
             memory = [MemoryHandle("cuda_ipc", size, 0, export_cuda(t)) for size, t in zip(geo.buffers, tensors)]
             self.side_channel = client.register(geo, memory=memory)
             bufs = tensors
         else:
-            from ..memory import VmmBuffer
+            from ...memory import VmmBuffer
             vmm_bufs = [VmmBuffer(size) for size in geo.buffers]
             for b, v in zip(vmm_bufs, views):
                 b.write(np.resize(v, b.nbytes))

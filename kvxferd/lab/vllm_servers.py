@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..synthetic.demo import stop_process
+from .synthetic.demo import stop_process
 
 VLLM_PYTHON_ENV = "KVXFERD_VLLM_PYTHON"
 DEFAULT_VENV = Path.home() / ".cache" / "kvxferd" / "vllm-venv"

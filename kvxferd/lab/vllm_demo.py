@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..synthetic.demo import DaemonProcess
-from .launcher import DEFAULT_VENV, ProxyProcess, VllmServer, make_model, stream
+from .synthetic.demo import DaemonProcess
+from .vllm_servers import DEFAULT_VENV, ProxyProcess, VllmServer, make_model, stream
 
 PROMPTS = [
     "Permission is hereby granted, free of charge, to any person obtaining a copy of this software",

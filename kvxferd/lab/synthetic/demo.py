@@ -20,9 +20,9 @@ from typing import IO, Any
 import msgspec
 import numpy as np
 
-from .. import protocol as P
-from ..client import RemoteRef
-from ..plan.models import ModelShape
+from ... import protocol as P
+from ...client import RemoteRef
+from ...plan.models import ModelShape
 
 
 class DemoError(RuntimeError):
@@ -74,14 +74,55 @@ class EngineProcess:
             raise DemoError(f"engine {self.engine_id}: {value}")
         return value
 
-    def call(self, cmd: str, *args: Any, timeout: float = 120) -> Any:
+    def _call(self, cmd: str, *args: Any, timeout: float = 120) -> Any:
         self.conn.send((cmd, args))
         return self._result(timeout)
+
+    # The engine's methods (kvxferd.lab.synthetic.engine.SyntheticEngine), run in its process.
+    def prefill(self, seq: int, num_tokens: int, lease_s: float,
+                digest: bool | None = None) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._call("prefill", seq, num_tokens, lease_s, digest))
+
+    def wait_released(self, seq: int, timeout_s: float) -> list[str]:
+        return list(self._call("wait_released", seq, timeout_s, timeout=timeout_s + 60))
+
+    def free(self, blocks: Sequence[Sequence[int]]) -> None:
+        self._call("free", blocks)
+
+    def reuse(self, blocks: Sequence[Sequence[int]], seq: int) -> None:
+        self._call("reuse", blocks, seq)
+
+    def decode(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
+               hit_tokens: int, deadline_s: float, remote_shape: ModelShape, audit: bool | None = None,
+               ) -> dict[str, Any]:
+        """Read a prompt and verify every byte that arrived; the outcome as a dict."""
+        shape = msgspec.msgpack.encode(remote_shape)
+        return dict(self._call("decode", seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, shape, audit,
+                               timeout=deadline_s + 60))
+
+    def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
+                  hit_tokens: int, deadline_s: float, audit: bool | None = None) -> list[list[int]]:
+        return list(self._call("post_read", seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, audit))
+
+    def wait_read(self, seq: int, timeout_s: float) -> list[tuple[str, list[list[int]], str, int]]:
+        return list(self._call("wait_read", seq, timeout_s, timeout=timeout_s + 60))
+
+    def drop(self, seq: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._call("drop", seq))
+
+    def tokens(self) -> list[str]:
+        return list(self._call("tokens"))
+
+    def pending(self) -> list[int]:
+        return list(self._call("pending"))
+
+    def verify_all(self) -> list[str]:
+        return list(self._call("verify_all"))
 
     def close(self) -> None:
         if self.proc.is_alive():
             try:
-                self.call("close", timeout=10)
+                self._call("close", timeout=10)
             except (DemoError, OSError, EOFError):
                 pass
             self.proc.join(5)
@@ -116,7 +157,7 @@ class DaemonProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        from ..client import Client, DaemonError
+        from ...client import Client, DaemonError
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -194,7 +235,6 @@ class Cluster:
             raise
         host, port_s = self.prefill.side_channel.rsplit(":", 1)
         self.host, self.port = host, int(port_s)
-        self._p_shape_bytes = msgspec.msgpack.encode(self.p_shape)
 
     def remote(self, seq: int) -> RemoteRef:
         return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}")
@@ -202,17 +242,16 @@ class Cluster:
     def transfer(self, seq: int, num_tokens: int, hit_tokens: int = 0, lease_s: float = 30.0,
                  deadline_s: float = 30.0) -> dict[str, Any]:
         """Prefill a prompt, read it on the decode side (verified there), wait for its release."""
-        blocks = self.prefill.call("prefill", seq, num_tokens, lease_s)
+        blocks = self.prefill.prefill(seq, num_tokens, lease_s)
         try:
-            out = self.decode.call("decode", seq, num_tokens, self.remote(seq), blocks, hit_tokens, deadline_s,
-                                   self._p_shape_bytes, timeout=deadline_s + 60)
-            out["released"] = self.prefill.call("wait_released", seq, lease_s + 5, timeout=lease_s + 60)
+            out = self.decode.decode(seq, num_tokens, self.remote(seq), blocks, hit_tokens, deadline_s, self.p_shape)
+            out["released"] = self.prefill.wait_released(seq, lease_s + 5)
         finally:
-            self.prefill.call("free", blocks)
+            self.prefill.free(blocks)
         return out
 
     def status(self, which: int) -> P.Status:
-        from ..client import Client
+        from ...client import Client
 
         with Client(self.daemons[which].socket) as c:
             return c.status()
@@ -259,7 +298,7 @@ def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens:
                 result.released[status] = result.released.get(status, 0) + 1
             if progress:
                 progress(1)
-        stray = cluster.decode.call("verify_all")
+        stray = cluster.decode.verify_all()
         if stray:
             raise DemoError(f"bytes outside any request changed on the decode engine: {stray}")
         result.split_reads = cluster.status(1).counters.split_reads

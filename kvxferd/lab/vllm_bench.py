@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..synthetic.demo import DaemonProcess
-from .launcher import DEFAULT_VENV, VllmServer, free_port, make_model, stream
+from .synthetic.demo import DaemonProcess
+from .vllm_servers import DEFAULT_VENV, VllmServer, free_port, make_model, stream
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
