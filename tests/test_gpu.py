@@ -48,3 +48,59 @@ def test_cuda_ipc_refused_clearly_and_daemon_keeps_serving():
             ok.close()
         finally:
             daemon.stop()
+
+
+@pytest.mark.parametrize("layout,model,p_tp,d_tp", [("LBHNC", "dense", 2, 4), ("BLHNC", "dense", 4, 2),
+                                                    ("LBNHC", "mla", 2, 1)])
+def test_vram_in_vllms_gpu_layouts_byte_exact(layout, model, p_tp, d_tp):
+    """VRAM laid out as vLLM's allocator lays out FlashAttention's / FlashMLA's cache."""
+    shape = replace(PRESETS[model], num_blocks=64, layout=layout)
+    with Cluster(shape, p_tp, d_tp, device="cuda-vmm") as cluster:
+        for seq in range(3):
+            out = cluster.transfer(seq, num_tokens=40 + 37 * seq, hit_tokens=16 if seq == 1 else 0)
+            assert out["status"] == "received", out
+        assert cluster.decode.verify_all() == []
+
+
+@pytest.mark.parametrize("family,block", [("dense", 16), ("mla", 64)])
+def test_real_vllm_gpu_pd_matches_a_single_instance(family, block, tmp_path, monkeypatch):
+    """vLLM's CUDA build: FlashAttention (dense) and its MLA backend (FlashMLA or Triton MLA), the
+    connector's VMM memory, prefill -> decode on one GPU, every read audited; bf16 TP 1 -> 1 gives
+    the single instance's greedy tokens (as on CPU, tests/test_vllm_bf16.py)."""
+    import os
+
+    from kvxferd.lab.vllm_servers import VllmServer, free_port, handoff, make_model, prompts
+
+    python = os.environ.get("KVXFERD_VLLM_GPU_PYTHON")
+    if not python:
+        pytest.skip("set KVXFERD_VLLM_GPU_PYTHON to a python with vLLM's CUDA build and kvxferd installed")
+    monkeypatch.setenv("KVXFERD_VLLM_PYTHON", python)
+    model = make_model(tmp_path / family, 0, family)
+    audit = ["--integrity-audit"]
+    metrics = free_port()
+    pd, dd = DaemonProcess(tmp_path, "p", extra=audit), DaemonProcess(tmp_path, "d", metrics, extra=audit)
+    gpu = ["--gpu-memory-utilization", "0.25"]
+    servers = [VllmServer(tmp_path, "single", model, block_size=block, args=gpu),
+               VllmServer(tmp_path, "prefill", model, role="kv_producer", connector="kvxferd", socket=pd.socket,
+                          block_size=block, args=gpu),
+               VllmServer(tmp_path, "decode", model, role="kv_consumer", connector="kvxferd", socket=dd.socket,
+                          block_size=block, args=gpu, failure_policy="fail")]
+    try:
+        for s in servers:
+            s.wait_ready()
+        single, prefill, decode = servers
+        for n in (40, 200):
+            prompt = prompts(1, n, seed=n)[0]
+            _, out = handoff(prefill, decode, prompt)
+            if family == "dense":
+                assert out["choices"][0]["text"] == single.complete(prompt)["choices"][0]["text"]
+        import urllib.request
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        ok = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                 if line.startswith("kvxferd_audits_total") and 'outcome="ok"' in line)
+        assert ok == 2
+    finally:
+        for s in servers:
+            s.stop()
+        pd.stop()
+        dd.stop()

@@ -86,6 +86,7 @@ class VllmServer:
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2
     block_size: int = 32
     prefix_caching: bool = True
+    args: list[str] = field(default_factory=list)  # more `vllm serve` flags
     extra_config: dict[str, Any] = field(default_factory=dict)
     failure_policy: str = "recompute"
     env: dict[str, str] = field(default_factory=dict)
@@ -99,7 +100,7 @@ class VllmServer:
                "--dtype", self.dtype, "--max-model-len", "4096", "--tensor-parallel-size", str(self.tp),
                "--block-size", str(self.block_size),
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", "-O0",
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", *self.args]
         if self.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
