@@ -201,11 +201,32 @@ def test_sliding_window_group_reads_only_its_window_into_the_decodes_window():
     assert not np.array_equal(d_ranks[0].read()[:, 0], p_logical[:, 0])  # the null block was not written
 
 
-def test_sliding_window_with_a_longer_decode_window_reads_what_the_prefill_holds():
+def test_a_window_that_leaves_needed_local_blocks_unfilled_is_refused_with_them():
+    """The decode keeps blocks 41, 42 (its window reaches further back) that the prefill dropped:
+    vLLM would count them computed, so the read is refused and names them for recomputation."""
     groups = [GroupInfo("attention", 4)]
     prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 0, 31, 32),), 19)
     order = handoff.read_order("d", prefill, groups, [[0, 41, 42, 43, 44]], 19, 0)
-    assert (order.local_blocks, order.remote_blocks) == ([[43, 44]], [[31, 32]])
+    assert "window" in order.refusal and order.local_blocks == [[41, 42, 43, 44]]
+    # a prefill window starting inside a larger local block: that block cannot be filled whole
+    order = handoff.read_order("d", RemotePrefill(prefill.remote, ((0, 0, 0, 31, 32),), 19, (4,)),
+                               [GroupInfo("attention", 8)], [[0, 51, 52]], 19, 0)
+    assert order.refusal and order.local_blocks == [[51, 52]]
+
+
+def test_lists_too_short_for_the_tokens_or_nothing_to_read_are_refused():
+    groups = [GroupInfo("attention", 4)]
+    ref = handoff.RemoteRef("p", "h", 1, 1, "r")
+    short = handoff.read_order("d", RemotePrefill(ref, ((1, 2),), 19), groups, [[5, 6, 7, 8, 9]], 19, 12)
+    assert "2 blocks" in short.refusal and short.local_blocks == [[8, 9]]
+    empty = handoff.read_order("d", RemotePrefill(ref, ((0, 0, 0, 0, 0),), 19), groups, [[0, 0, 0, 0, 0]], 19, 0)
+    assert "nothing" in empty.refusal  # the worker fails it (never a silent release of a promised read)
+
+
+def test_state_block_skips_speculative_scratch_blocks():
+    state = GroupInfo("state", 4096, scratch_blocks=2)
+    assert handoff.held_blocks([state], [[7, 8, 9]]) == [[7]]  # mamba_cache_mode none: the state, 2 scratch
+    assert handoff.held_blocks([state], [[0, 0, 4, 5, 6]]) == [[4]]  # align: the prompt's last, then scratch
 
 
 def test_sliding_window_with_a_local_prefix_hit_reads_the_missing_window_tail():

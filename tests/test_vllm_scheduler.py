@@ -184,3 +184,25 @@ def test_block_sizes_in_params_are_checked():
     with pytest.raises(handoff.HandoffError, match="remote_block_sizes"):
         handoff.parse_remote(dict(prefill_params(), remote_block_sizes=[0]), 1)
     assert handoff.parse_remote(dict(prefill_params(), remote_block_sizes=None), 1).block_sizes == ()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("remote_num_tokens", float("inf"), "remote_num_tokens must be an integer"),
+    ("remote_num_tokens", 10**400, "out of range"),
+    ("tp_size", 2**70, "tp_size"),
+    ("remote_port", True, "remote_port must be an integer"),
+    ("remote_block_ids", [[2**70]], "remote_block_ids"),
+    ("remote_block_ids", [[-1]], "remote_block_ids"),
+    ("remote_block_ids", "1,2", "must be a list"),
+    ("remote_block_sizes", [0], "remote_block_sizes"),
+    ("remote_block_sizes", [1e400], "remote_block_sizes must be an integer"),
+])
+def test_hostile_params_are_refused_before_use(field, value, match):
+    """A router is a client like any other: what it names is bounded before anything uses it,
+    and the request is computed locally instead of crashing the engine."""
+    with pytest.raises(handoff.HandoffError, match=match):
+        handoff.parse_remote(dict(prefill_params(), **{field: value}), 1)
+    s = side()
+    req = Request("req-d", 100, dict(prefill_params(), **{field: value}))
+    assert s.matched_tokens(req, 0) == (0, False)
+

@@ -88,3 +88,26 @@ def test_daemon_restart_while_idle_reregisters_and_reholds(tmp_path):
         w.close()
         d2.stop()
 
+
+
+def test_a_refused_read_fails_its_blocks_and_still_releases_the_prefill(daemon):
+    """The scheduler could not make the read whole (here: the prefill's list is too short for the
+    tokens): the worker fails it with the blocks vLLM was promised and still sends the prefill a
+    release, which reaches the daemon (and fails there: no prefill answers at that address)."""
+    from kvxferd.vllm import handoff
+
+    w = make_worker(daemon)
+    try:
+        remote = handoff.parse_remote({"remote_engine_id": "p", "remote_request_id": "req-p",
+                                       "remote_host": "127.0.0.1", "remote_port": 9, "tp_size": 1,
+                                       "remote_block_ids": [[4, 5]], "remote_num_tokens": 14,
+                                       "remote_block_sizes": [4]}, 1)
+        order = handoff.read_order("req-d", remote, [handoff.GroupInfo("attention", 4)], [[9, 8, 7, 6]], 14, 4)
+        assert "2 blocks" in order.refusal
+        w.start(Orders([], [order]))
+        done = w.results()
+        assert done.recving == {"req-d"} and done.failed == {"req-d"} and done.load_errors == {8, 7, 6}
+        wait_until("the release reached the daemon",
+                   lambda: any(f.request == "req-d" for f in daemon_status(daemon).failures), 20)
+    finally:
+        w.close()

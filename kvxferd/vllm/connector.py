@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineClient
@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from .worker import WorkerSide
 
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _group_info(spec: Any) -> GroupInfo:
+    if isinstance(spec, UniformTypeKVCacheSpecs):  # one spec type in per-layer detail
+        spec = next(iter(spec.kv_cache_specs.values()))
+    if isinstance(spec, MambaSpec):
+        return GroupInfo("state", spec.block_size, spec.num_speculative_blocks)
+    return GroupInfo("attention", spec.block_size)
 
 
 class KvxferdMetadata(KVConnectorMetadata):
@@ -67,8 +75,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
-            groups = [GroupInfo("state" if isinstance(g.kv_cache_spec, MambaSpec) else "attention",
-                                g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups] \
+            groups = [_group_info(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups] \
                 if kv_cache_config is not None else [GroupInfo("attention", vllm_config.cache_config.block_size)]
             self.scheduler = SchedulerSide(self.engine_id, self.tp_size, groups, self.options.lease_s,
                                            self._side_channel)

@@ -46,6 +46,9 @@ class ReadOrder(msgspec.Struct, array_like=True):
     num_tokens: int
     local_blocks: list[list[int]]
     remote_blocks: list[list[int]]
+    # Why this read cannot be done: the worker fails it at once (its local blocks reported as
+    # load errors, vLLM recomputes or fails them by its policy) and releases the prefill's hold.
+    refusal: str = ""
 
     @property
     def is_release(self) -> bool:
@@ -67,6 +70,14 @@ class GroupInfo(msgspec.Struct, frozen=True, array_like=True):
 
     kind: str  # "attention" or "state"
     block_size: int  # tokens per block
+    scratch_blocks: int = 0  # state: speculative-decoding blocks after the state (MambaSpec.num_speculative_blocks)
+
+
+# Bounds on what a hand-off may name, checked in arbitrary precision before use.
+MAX_TOKENS = 1 << 24
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_BLOCKS_PER_GROUP = 1 << 20
+MAX_TP = 1024
 
 
 class RemotePrefill(msgspec.Struct, frozen=True):
@@ -79,29 +90,48 @@ class RemotePrefill(msgspec.Struct, frozen=True):
 
 
 def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
-    """Read a decode request's params (as P sent them, through the proxy)."""
+    """Read a decode request's params (as P sent them, through the proxy). Every number is
+    bounded before it is used: a router is no more trusted than any other client."""
     missing = [k for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
                            "remote_block_ids", "tp_size") if params.get(k) is None]
     if missing:
         raise HandoffError(f"kv_transfer_params lack {missing}")
     try:
-        remote = RemoteRef(str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
-                           int(params["tp_size"]), str(params["remote_request_id"]))
+        remote = RemoteRef(str(params["remote_engine_id"])[:256], str(params["remote_host"])[:256],
+                           _bounded(params["remote_port"], 1, 65535, "remote_port"),
+                           _bounded(params["tp_size"], 1, MAX_TP, "tp_size"), str(params["remote_request_id"])[:256])
         blocks = params["remote_block_ids"]
+        if not isinstance(blocks, list):
+            raise HandoffError("remote_block_ids must be a list")
         if blocks and all(isinstance(b, int) for b in blocks):
             blocks = [blocks]  # one cache group, sent flat
-        groups = tuple(tuple(int(b) for b in group) for group in blocks)
-        num_tokens = int(params.get("remote_num_tokens") or 0)
-        sizes = tuple(int(b) for b in params.get("remote_block_sizes") or ())
-    except (TypeError, ValueError) as exc:
+        if len(blocks) != num_groups:
+            raise HandoffError(f"remote_block_ids name {len(blocks)} cache groups, this engine has {num_groups}")
+        groups = tuple(_block_list(group) for group in blocks)
+        num_tokens = _bounded(params.get("remote_num_tokens") or 0, 0, MAX_TOKENS, "remote_num_tokens")
+        sizes = tuple(_bounded(b, 1, MAX_TOKENS, "remote_block_sizes") for b in params.get("remote_block_sizes") or ())
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, HandoffError):
+            raise
         raise HandoffError(f"kv_transfer_params malformed: {exc}") from None
-    if len(groups) != num_groups:
-        raise HandoffError(f"remote_block_ids name {len(groups)} cache groups, this engine has {num_groups}")
-    if sizes and (len(sizes) != num_groups or min(sizes) < 1):
+    if sizes and len(sizes) != num_groups:
         raise HandoffError(f"remote_block_sizes {list(sizes)}: need one positive size per cache group")
-    if not 0 < remote.port < 65536 or remote.tp_size < 1:
-        raise HandoffError(f"remote_port {remote.port} or tp_size {remote.tp_size} out of range")
     return RemotePrefill(remote, groups, num_tokens, sizes)
+
+
+def _bounded(value: Any, low: int, high: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise HandoffError(f"{what} must be an integer, got {type(value).__name__}")
+    number = int(value)  # arbitrary precision: compared before anything else sees it
+    if not low <= number <= high:
+        raise HandoffError(f"{what} {str(number)[:20]} out of range {low}..{high}")
+    return number
+
+
+def _block_list(ids: Any) -> tuple[int, ...]:
+    if not isinstance(ids, list) or len(ids) > MAX_BLOCKS_PER_GROUP:
+        raise HandoffError(f"remote_block_ids: each group's list holds at most {MAX_BLOCKS_PER_GROUP} block ids")
+    return tuple(_bounded(b, 0, MAX_BLOCK_ID, "remote_block_ids") for b in ids)
 
 
 def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
@@ -119,8 +149,15 @@ def held_blocks(groups: list[GroupInfo], block_ids: list[list[int]]) -> list[lis
     out = []
     for info, ids in zip(groups, block_ids):
         real = [b for b in ids if b != NULL_BLOCK]
-        out.append(real[-1:] if info.kind == "state" else real)
+        out.append(state_block(info, real) if info.kind == "state" else real)
     return out
+
+
+def state_block(info: GroupInfo, real: list[int]) -> list[int]:
+    """The block that holds a request's state: the last real one before the speculative-decoding
+    scratch blocks vLLM appends (mamba_cache_mode none: the first; align: the prompt's last)."""
+    at = len(real) - 1 - info.scratch_blocks
+    return real[at:at + 1] if at >= 0 else []
 
 
 def cdiv(a: int, b: int) -> int:
@@ -135,31 +172,47 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
     `num_computed` (a multiple of every block size) is what the local prefix cache holds. Each
     attention list goes out as its missing tail: the local blocks from the first token both
     sides hold (a sliding window starts late) to the one holding token num_tokens-1, and the
-    prefill's real blocks up to there. A state group pairs the two sides' last real blocks.
+    prefill's real blocks up to there. A state group pairs the two sides' state blocks.
 
         tokens:        0      32     64     96     128 (num_tokens)
         prefill SWA:  | null | null |  p2  |  p3  |        remote -> [p2, p3] (first held token 64)
         decode SWA:   | null |  d1  |  d2  |  d3  |        local  -> [d2, d3]
 
-    Lists that do not fit the token count are passed as they are: the daemon refuses such a
-    read with a reason, and the read ends failed with its blocks, like any other.
+    A read that cannot fill every local block it would be trusted for (the prefill's lists too
+    short for the tokens, its window starting after a block this side needs, nothing left to
+    read) comes back refused, naming why, with those local blocks: vLLM recomputes them (or
+    fails the request, by its kv_load_failure_policy).
     """
-    local, remote = [], []
+    local, remote, owed = [], [], []
     sizes = prefill.block_sizes or tuple(g.block_size for g in groups)
+    refusal = ""
     for info, rbs, ids, rids in zip(groups, sizes, local_block_ids, prefill.block_ids):
         if info.kind == "state":
-            local.append([b for b in ids if b != NULL_BLOCK][-1:])
-            remote.append([b for b in rids if b != NULL_BLOCK][-1:])
+            local.append(state_block(info, [b for b in ids if b != NULL_BLOCK]))
+            remote.append(state_block(info, [b for b in rids if b != NULL_BLOCK]))
+            owed.append(local[-1])
             continue
         bs = info.block_size
+        end = cdiv(num_tokens, bs)
+        owed.append([b for b in ids[num_computed // bs:end] if b != NULL_BLOCK])
         held = list(rids[:cdiv(num_tokens, rbs)])
+        if len(held) < cdiv(num_tokens, rbs):
+            refusal = refusal or (f"the prefill names {len(held)} blocks of {rbs} tokens for {num_tokens} tokens; "
+                                  f"{cdiv(num_tokens, rbs)} needed")
         first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
         first = max(num_computed // bs, cdiv(first_held * rbs, bs))
-        wanted = list(ids[first:cdiv(num_tokens, bs)])
+        if any(b != NULL_BLOCK for b in ids[num_computed // bs:first]):  # needed here, not (wholly) held there
+            refusal = refusal or (f"the prefill holds tokens from {first_held * rbs} on (its window); this side "
+                                  f"needs blocks of {bs} tokens from {num_computed // bs * bs}")
+        wanted = list(ids[first:end])
         while wanted and wanted[0] == NULL_BLOCK:  # tokens this side's window no longer needs
             wanted.pop(0)
         local.append(wanted)
         remote.append(held[first_held:])
+    if not refusal and num_tokens > num_computed and not any(local):
+        refusal = "nothing the prefill holds is missing here, yet tokens were promised to vLLM"
+    if refusal:
+        return ReadOrder(request_id, prefill.remote, num_tokens, owed, [[] for _ in owed], refusal)
     return ReadOrder(request_id, prefill.remote, num_tokens, local, remote)
 
 

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..client import DaemonError, EngineClient, MemoryHandle
 from ..plan.geometry import Geometry
 from .handoff import HoldOrder, Orders, ReadOrder
@@ -142,6 +144,10 @@ class WorkerSide:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
             self._call(hold.request_id, _hold_rpc(hold))
         for read in orders.reads:
+            if read.refusal:  # cannot be read as vLLM was promised: fail it here, free the prefill's hold
+                self.reading[read.request_id] = read
+                self._fail(read.request_id, read.refusal)
+                read = msgspec.structs.replace(read, local_blocks=[[] for _ in read.local_blocks], refusal="")
             if read.is_release:
                 self.releasing.add(read.request_id)
             else:
