@@ -65,23 +65,37 @@ class AttentionRank:
         for i in range(self.sizes["L"]):
             self.layer_view(i)[...] = logical[i, :, self.heads[0]:self.heads[1]]
 
+    kernel_pages = 1
+
     def read(self) -> np.ndarray:
-        return np.stack([self.layer_view(i).copy() for i in range(self.sizes["L"])])
+        """The logical cache this rank holds: [L, blocks, local heads, tokens per block, C]."""
+        pages = np.stack([self.layer_view(i).copy() for i in range(self.sizes["L"])])
+        k = self.kernel_pages
+        layers, n, heads, kt, c = pages.shape
+        return pages.reshape(layers, n // k, k, heads, kt, c).transpose(0, 1, 3, 2, 4, 5) \
+            .reshape(layers, n // k, heads, k * kt, c)
 
 
 def attention_world(order: str, total_heads: int, tp: int, tokens: int, seed: int, sealed: bool = False,
-                    layers: int = 2, blocks: int = 10, head: int = 8):
-    """(geometries, ranks, logical cache) of one engine: every rank filled from one logical cache."""
+                    layers: int = 2, blocks: int = 10, head: int = 8, kernel_pages: int = 1):
+    """(geometries, ranks, logical cache) of one engine: every rank filled from one logical cache.
+
+    `kernel_pages` > 1: the backend's kernel pages hold tokens / kernel_pages tokens each, a block
+    spans that many consecutive pages (vLLM's kernel block size below its block size)."""
     content = 2 * head  # K|V of one token of one head
     rng = np.random.default_rng(seed)
     logical = rng.integers(0, 2**16, (layers, blocks, total_heads, tokens, content), dtype=np.uint16)
     spec = layout.GroupSpec("attention", tokens, "FullAttentionSpec", total_kv_heads=total_heads,
                             head_bytes=content * ITEM, sealed=sealed)
+    kt = tokens // kernel_pages
+    pages = logical.reshape(layers, blocks, total_heads, kernel_pages, kt, content).transpose(0, 1, 3, 2, 4, 5) \
+        .reshape(layers, blocks * kernel_pages, total_heads, kt, content)
     geos, ranks = {}, {}
     for r in range(tp):
         heads = shard(total_heads, tp, r, "heads")
-        rank = AttentionRank(order, layers, blocks, heads, tokens, content)
-        rank.fill(logical)
+        rank = AttentionRank(order, layers, blocks * kernel_pages, heads, kt, content)
+        rank.fill(pages)
+        rank.kernel_pages = kernel_pages
         geos[r] = layout.geometry("m", "bf16", tp, r, [rank.buffer.nbytes], [spec], rank.layer_caches())
         ranks[r] = rank
     return geos, ranks, logical
@@ -140,6 +154,21 @@ def test_block_size_translation_on_token_addressable_pages(order, p_tp, d_tp):
         expected[:, d_blocks[t // 8], :, t % 8] = p_logical[:, p_blocks[t // 4], :, t % 4]
     for rank in d_ranks.values():
         np.testing.assert_array_equal(rank.read(), expected[:, :, rank.heads[0]:rank.heads[1]])
+
+
+@pytest.mark.parametrize("p_kernel,d_kernel", [(2, 1), (1, 4), (4, 2)])
+def test_kernel_pages_smaller_than_blocks(p_kernel, d_kernel):
+    """A backend whose kernel block is a fraction of vLLM's block (hybrid models on GPU): a block
+    is that many consecutive kernel pages, on either side, across TP."""
+    p_geos, p_ranks, p_logical = attention_world("LBHNC", 4, 2, 8, seed=11, kernel_pages=p_kernel)
+    d_geos, d_ranks, d_logical = attention_world("LBHNC", 4, 1, 8, seed=12, kernel_pages=d_kernel)
+    run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(21, [[4, 1, 2]], [[7, 3, 9]]))
+    chunk = min(8 // p_kernel, 8 // d_kernel)  # tokens per descriptor; the prompt's last chunk moves whole
+    moved = -(-21 // chunk) * chunk
+    expected = d_logical.copy()
+    for t in range(moved):
+        expected[:, [4, 1, 2][t // 8], :, t % 8] = p_logical[:, [7, 3, 9][t // 8], :, t % 8]
+    np.testing.assert_array_equal(d_ranks[0].read(), expected)
 
 
 def test_block_size_mismatch_on_sealed_heads_is_refused_naming_it():

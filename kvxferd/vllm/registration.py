@@ -7,6 +7,7 @@ and hands the pure `layout.geometry` plain numbers.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -28,6 +29,7 @@ def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, 
     layers = [layout.LayerCache(name, group_of[name], *placed[name], tuple(t.shape), tuple(t.stride()),
                                 t.element_size())
               for name, t in kv_caches.items() if name in group_of]
+    _check_state_placement(vllm_config, groups, layers)
     geometry = layout.geometry(model_identity(vllm_config), kv_dtype(kv_cache_config, model_config), worker.tp_size,
                                worker.rank, [b.nbytes for b in buffers], groups, layers,
                                weights=weights_identity(vllm_config) if options.enforce_handshake_compat else "")
@@ -61,6 +63,33 @@ def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: in
             sealed=device == "cpu" and not isinstance(spec, MLAAttentionSpec))
     raise layout.GeometryError(f"cache group of {name} ({', '.join(layer_names[:3])}): kvxferd describes "
                                "attention (full, sliding-window, MLA) and Mamba/GDN state groups")
+
+
+def _check_state_placement(vllm_config: Any, groups: list[layout.GroupSpec], layers: list[layout.LayerCache]) -> None:
+    """The states a Mamba-style layer bound (vLLM's views of its page) start where the geometry
+    says: each right after the one before, from the page's first byte, one page apart."""
+    context = vllm_config.compilation_config.static_forward_context
+    for layer in layers:
+        spec = groups[layer.group]
+        module = context.get(layer.name)
+        if spec.kind != "state" or module is None:
+            continue
+        bound = _tensors(getattr(module, "kv_cache", None))
+        at = 0
+        for state, tensor in zip(spec.states, bound[:len(spec.states)]):
+            offset = tensor.storage_offset() * tensor.element_size() - layer.offset
+            stride = tensor.stride()[0] * tensor.element_size()
+            if offset != at or stride != layer.stride[0] * layer.itemsize:
+                raise layout.GeometryError(
+                    f"layer {layer.name}: vLLM bound a state at byte {offset} of its page, {stride} B apart; "
+                    f"kvxferd expects byte {at}, {layer.stride[0] * layer.itemsize} B apart")
+            at += math.prod(state.shape) * state.itemsize
+
+
+def _tensors(cache: Any) -> list[Any]:
+    if isinstance(cache, (list, tuple)):
+        return [t for c in cache for t in _tensors(c)]
+    return [] if cache is None else [cache]
 
 
 def total_kv_heads(spec: Any, layer_names: list[str], model_config: Any, tp_size: int) -> int:
@@ -110,19 +139,9 @@ def kv_dtype(kv_cache_config: Any, model_config: Any) -> str:
 
 
 def _bound_caches(vllm_config: Any) -> list[Any]:
-    """The caches vLLM bound to its attention layers (they may be other views of the same memory)."""
-    out: list[Any] = []
-
-    def walk(cache: Any) -> None:  # a tensor, or (per virtual engine, per state) lists of them
-        if isinstance(cache, (list, tuple)):
-            for c in cache:
-                walk(c)
-        elif cache is not None:
-            out.append(cache)
-
-    for layer in vllm_config.compilation_config.static_forward_context.values():
-        walk(getattr(layer, "kv_cache", None))
-    return out
+    """The caches vLLM bound to its attention and state layers (other views of the same memory)."""
+    return [t for layer in vllm_config.compilation_config.static_forward_context.values()
+            for t in _tensors(getattr(layer, "kv_cache", None))]
 
 
 def model_identity(vllm_config: Any) -> str:
