@@ -66,6 +66,8 @@ class AuditReply(msgspec.Struct):
     reason: str = ""
     digests: bytes = b""  # little-endian uint64, one per row asked about
     reused: list[list[int]] = []  # per cache group: held blocks whose bytes changed since the hold
+    # Not held yet (the read overtook the prefill engine's hold): ask again before the deadline.
+    retry: bool = False
 
 
 class RankInfo(msgspec.Struct):

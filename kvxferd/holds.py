@@ -87,6 +87,9 @@ class Early:
     first: float
 
 
+RECENTLY_ENDED = 65536  # ended holds remembered, so an audit can tell "not yet" from "no more"
+
+
 class Holds:
     def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float,
                  integrity_audit: bool = False) -> None:
@@ -99,6 +102,7 @@ class Holds:
         self._leases: list[tuple[float, int, Held]] = []  # heap of (deadline, tie-break, hold)
         self._seq = itertools.count()
         self._early: dict[HoldKey, Early] = {}  # in arrival order
+        self._ended: dict[HoldKey, None] = {}  # recently ended holds, oldest first (bounded)
 
     @property
     def held(self) -> int:
@@ -150,9 +154,16 @@ class Holds:
         self._end_if_consumed(held)
         self._recorder.holds_now(len(self._held))
 
+    def _forget(self, key: HoldKey) -> None:
+        """A hold ended: an audit that names it now is refused, not told to wait for it."""
+        del self._held[key]
+        self._ended[key] = None
+        if len(self._ended) > RECENTLY_ENDED:
+            del self._ended[next(iter(self._ended))]
+
     def _end_if_consumed(self, held: Held) -> None:
         if held.consumed:
-            del self._held[held.key]
+            self._forget(held.key)
             self._recorder.hold_ended("sent")
             held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids,
                                               seconds=time.monotonic() - held.since))
@@ -163,7 +174,7 @@ class Holds:
             deadline, _, held = heapq.heappop(self._leases)
             if self._held.get(held.key) is not held or held.deadline != deadline:
                 continue  # ended already, or renewed (its newer entry is still in the heap)
-            del self._held[held.key]
+            self._forget(held.key)
             self._recorder.hold_ended("expired")
             log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d", held.engine.engine_id,
                         held.engine.tp_rank, held.request_id, held.count, held.expected)
@@ -188,7 +199,7 @@ class Holds:
         until = 0.0
         for held in [h for h in self._held.values() if h.engine.key == er]:
             until = max(until, held.deadline)
-            del self._held[held.key]
+            self._forget(held.key)
             self._recorder.hold_ended("dropped")
         self._recorder.holds_now(len(self._held))
         return until
@@ -214,6 +225,11 @@ class Holds:
         held = self._held.get((req.engine_id, req.tp_rank, req.request_id))
         where = f"request {req.request_id!r} of engine {req.engine_id!r} rank {req.tp_rank}"
         if held is None:
+            key = (req.engine_id, req.tp_rank, req.request_id)
+            if key not in self._ended and self._engines.knows((req.engine_id, req.tp_rank)):
+                # vLLM asks for a hold one engine step after it answered the request: a fast
+                # reader can get here first. The blocks are not free yet (vLLM delays that).
+                return hs.AuditReply(False, f"{where} is not held yet", retry=True)
             return hs.AuditReply(False, f"{where} is not held (its lease passed, or it was never held): "
                                         "its blocks may have been reused")
         if held.digests is None:

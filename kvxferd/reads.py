@@ -56,6 +56,7 @@ log = logging.getLogger("kvxferd")
 
 ReadKey = tuple[str, int, str]  # (engine id, tp rank, request id)
 ATTEMPTS = 2  # a peer restarted behind a cached route: the first post fails, the second handshakes anew
+AUDIT_RETRY_S = 0.02  # between audits of a request the prefill does not hold yet
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -380,15 +381,17 @@ class Reads:
             if not len(lids):
                 continue
             remote = remote_rows(pp, rids, t.route.links[rank].remote_region_addr)[:, :2].astype("<i8")
-            asked = asyncio.ensure_future(self._peers.audit(
-                ref, hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes()),
-                max(t.deadline - time.monotonic(), 0.001)))
+            request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes())
+            asked = asyncio.ensure_future(self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001)))
             await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
             t0 = time.perf_counter()
             local = local_rows(pp, lids, er.region_addr)
             ours = integrity.digest_rows(er.mappings, local)
             self._recorder.digested("read", int(local[:, 1].sum()), time.perf_counter() - t0)
             reply = await asked
+            while reply.retry and not t.done and time.monotonic() + AUDIT_RETRY_S < t.deadline:
+                await asyncio.sleep(AUDIT_RETRY_S)  # the read overtook the prefill's hold
+                reply = await self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001))
             if not reply.ok:
                 raise _AuditRefused(f"prefill rank {rank} refused the audit: {reply.reason}")
             theirs = np.frombuffer(reply.digests, "<u8")

@@ -99,8 +99,7 @@ def test_partition_that_heals_mid_transfer(lab, cluster):
     dropped = lab.impairment.dropped.value
     timers = [at(0.2, lab.partition), at(3.2, lambda: lab.partition(False))]
     try:
-        out = c.decode.decode(1, LONG, c.remote(1), blocks, 0, 30.0, SHAPE,
-                            timeout=90)
+        out = c.decode.decode(1, LONG, c.remote(1), blocks, 0, 30.0, SHAPE)
     finally:
         for t in timers:
             t.join()
