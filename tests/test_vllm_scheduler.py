@@ -206,3 +206,11 @@ def test_hostile_params_are_refused_before_use(field, value, match):
     req = Request("req-d", 100, dict(prefill_params(), **{field: value}))
     assert s.matched_tokens(req, 0) == (0, False)
 
+
+
+def test_state_model_prefill_with_embeddings_keeps_its_prompt_whole():
+    s = side(HYBRID)
+    req = Request("req-p", 100, {"do_remote_decode": True})
+    req.prompt_embeds = object()  # embeddings beside the tokens: trimming the ids alone would tear them apart
+    s.new_request(req)
+    assert req.num_prompt_tokens == 100 and "_kvxferd_truncated" not in req.kv_transfer_params

@@ -49,7 +49,10 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if (not self.backoff or not params or not params.get("do_remote_decode")
                 or params.get("_kvxferd_truncated") or request.num_prompt_tokens <= self.backoff
-                or request.prompt_token_ids is None):
+                or request.prompt_token_ids is None
+                # embeddings or media beside the tokens would need trimming too: leave the prompt
+                # whole, and the decode (which then refuses its state) computes it itself
+                or getattr(request, "prompt_embeds", None) is not None or getattr(request, "mm_features", None)):
             return
         del request.prompt_token_ids[-self.backoff:]
         del request._all_token_ids[-self.backoff:]
