@@ -428,3 +428,15 @@ def test_unknown_dtype_names_the_choices():
     from kvxferd.plan import dtypes
     with pytest.raises(GeometryError, match=r"unknown dtype 'int3'.*bfloat16"):
         dtypes.canonical("int3")
+
+
+def test_misread_sharing_and_empty_groups_are_refused_at_start():
+    rank = AttentionRank("LBHNC", 1, 10, (0, 2), 4, 16)
+    (cache,) = rank.layer_caches()
+    spec = layout.GroupSpec("attention", 4, "FullAttentionSpec", total_kv_heads=2, head_bytes=32)
+    other_shape = layout.LayerCache("model.layers.1.attn", 0, cache.buffer, cache.offset, (5, 2, 4, 16),
+                                    cache.stride, ITEM)
+    with pytest.raises(GeometryError, match=r"starts where model\.layers\.0\.attn does"):
+        layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec], [cache, other_shape])
+    with pytest.raises(GeometryError, match=r"cache group 1 .* has no layers"):
+        layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec, spec], [cache])

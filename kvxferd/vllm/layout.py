@@ -95,15 +95,18 @@ def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[i
     """
     regions: list[Region] = []
     region_at: dict[tuple[int, int, int], int] = {}
-    seen: set[tuple[int, int, int]] = set()
+    seen: dict[tuple[int, int, int], LayerCache] = {}
     views: dict[int, list[View]] = {g: [] for g in range(len(groups))}
     pages_per_block: dict[int, int] = {}
     for layer in layers:
         if not 0 <= layer.group < len(groups):
             raise GeometryError(f"layer {layer.name}: cache group {layer.group} does not exist")
-        if (layer.group, layer.buffer, layer.offset) in seen:
+        first = seen.setdefault((layer.group, layer.buffer, layer.offset), layer)
+        if first is not layer:  # sharing another layer's cache: the same view, or a cache we misread
+            if (first.shape, first.stride, first.itemsize) != (layer.shape, layer.stride, layer.itemsize):
+                raise GeometryError(f"layer {layer.name} starts where {first.name} does but is shaped "
+                                    f"{layer.shape} strides {layer.stride}, not {first.shape} {first.stride}")
             continue
-        seen.add((layer.group, layer.buffer, layer.offset))
         spec = groups[layer.group]
         if spec.kind == ATTENTION:
             stride, segments, num_pages, per_block = _attention_layout(layer, spec, tp_size, tp_rank)
@@ -123,15 +126,16 @@ def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[i
         views[layer.group].append(View(layer.name, region_at[key], stride, num_pages, tuple(segments)))
     cache_groups = []
     for g, vs in views.items():
-        if not vs:
-            continue
+        if not vs:  # requests name every group's blocks: a group with no layers could not be read
+            raise GeometryError(f"cache group {g} ({groups[g].spec_name or groups[g].kind}) has no layers among "
+                                "the caches vLLM registered")
         spec = groups[g]
         per_block = pages_per_block.get(g, 1)
         tokens = spec.block_size if spec.kind == ATTENTION else 0
         cache_groups.append(CacheGroup(f"g{g}", ATTENTION if spec.kind == ATTENTION else STATE, tokens, per_block,
                                        tuple(vs)))
     if not cache_groups:
-        raise GeometryError("no KV cache layers found in the caches vLLM registered")
+        raise GeometryError("no KV cache groups in the caches vLLM registered")
     return validate(Geometry(model, dtypes.canonical(dtype), tp_size, tp_rank, tuple(buffers), tuple(regions),
                              tuple(cache_groups), weights))
 
