@@ -15,6 +15,7 @@ per request: its last real block, the state after the prompt's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -146,16 +147,14 @@ def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_siz
 def held_blocks(groups: list[GroupInfo], block_ids: list[list[int]]) -> list[list[int]]:
     """The blocks that hold a finished prompt's KV, per group: an attention group's real
     blocks, a state group's last one."""
-    out = []
-    for info, ids in zip(groups, block_ids):
-        real = [b for b in ids if b != NULL_BLOCK]
-        out.append(state_block(info, real) if info.kind == "state" else real)
-    return out
+    return [state_block(info, ids) if info.kind == "state" else [b for b in ids if b != NULL_BLOCK]
+            for info, ids in zip(groups, block_ids)]
 
 
-def state_block(info: GroupInfo, real: list[int]) -> list[int]:
+def state_block(info: GroupInfo, ids: Sequence[int]) -> list[int]:
     """The block that holds a request's state: the last real one before the speculative-decoding
     scratch blocks vLLM appends (mamba_cache_mode none: the first; align: the prompt's last)."""
+    real = [b for b in ids if b != NULL_BLOCK]
     at = len(real) - 1 - info.scratch_blocks
     return real[at:at + 1] if at >= 0 else []
 
@@ -188,17 +187,18 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
     refusal = ""
     for info, rbs, ids, rids in zip(groups, sizes, local_block_ids, prefill.block_ids):
         if info.kind == "state":
-            local.append(state_block(info, [b for b in ids if b != NULL_BLOCK]))
-            remote.append(state_block(info, [b for b in rids if b != NULL_BLOCK]))
+            local.append(state_block(info, ids))
+            remote.append(state_block(info, rids))
             owed.append(local[-1])
             continue
         bs = info.block_size
         end = cdiv(num_tokens, bs)
         owed.append([b for b in ids[num_computed // bs:end] if b != NULL_BLOCK])
-        held = list(rids[:cdiv(num_tokens, rbs)])
-        if len(held) < cdiv(num_tokens, rbs):
+        need = cdiv(num_tokens, rbs)
+        held = list(rids[:need])
+        if len(held) < need:
             refusal = refusal or (f"the prefill names {len(held)} blocks of {rbs} tokens for {num_tokens} tokens; "
-                                  f"{cdiv(num_tokens, rbs)} needed")
+                                  f"{need} needed")
         first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
         first = max(num_computed // bs, cdiv(first_held * rbs, bs))
         if any(b != NULL_BLOCK for b in ids[num_computed // bs:first]):  # needed here, not (wholly) held there

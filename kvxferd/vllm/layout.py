@@ -252,24 +252,23 @@ def state_segments(spec: GroupSpec, tp_size: int, tp_rank: int, where: str = "st
 
 def _conv_parts(spec: GroupSpec, channels: int, temporal: tuple[int, ...],
                 where: str) -> list[tuple[str, int, int]]:
-    """(name, local units, channels per unit) of the projections the conv state concatenates."""
-    if spec.mamba_type == "mamba2" and len(temporal) == 3:
-        heads, head_dim, d_state = temporal
-        x = heads * head_dim
-        bc = channels - x
-        if bc < 0 or bc % 2 or (bc // 2) % d_state:
-            raise GeometryError(f"{where}: Mamba2 conv state of {channels} channels does not split into x "
-                                f"({heads} heads x {head_dim}) and B, C of whole groups of {d_state}")
-        return [("x", heads, head_dim), ("B", bc // 2 // d_state, d_state), ("C", bc // 2 // d_state, d_state)]
-    if spec.mamba_type == "gdn" and len(temporal) == 3:
-        v_heads, v_dim, k_dim = temporal
-        v = v_heads * v_dim
-        qk = channels - v
-        if qk < 0 or qk % 2 or (qk // 2) % k_dim:
-            raise GeometryError(f"{where}: GDN conv state of {channels} channels does not split into q, k "
-                                f"(heads of {k_dim}) and v ({v_heads} heads x {v_dim})")
-        return [("q", qk // 2 // k_dim, k_dim), ("k", qk // 2 // k_dim, k_dim), ("v", v_heads, v_dim)]
-    return [("x", channels, 1)]  # one projection (Mamba1 and others): channels shard as they are
+    """(name, local units, channels per unit) of the projections the conv state concatenates.
+
+    Mamba2 (x | B | C) and GDN (q | k | v) alike: one projection has the temporal state's heads
+    (heads x head_dim channels), the other two are equal runs of whole units of its last dimension.
+    """
+    if spec.mamba_type not in ("mamba2", "gdn") or len(temporal) != 3:
+        return [("x", channels, 1)]  # one projection (Mamba1 and others): channels shard as they are
+    heads, head_dim, unit = temporal
+    pair = channels - heads * head_dim
+    if pair < 0 or pair % (2 * unit):
+        raise GeometryError(f"{where}: {'Mamba2' if spec.mamba_type == 'mamba2' else 'GDN'} conv state of "
+                            f"{channels} channels does not split into {heads} heads x {head_dim} and two "
+                            f"projections of whole units of {unit}")
+    units = pair // 2 // unit
+    if spec.mamba_type == "mamba2":
+        return [("x", heads, head_dim), ("B", units, unit), ("C", units, unit)]
+    return [("q", units, unit), ("k", units, unit), ("v", heads, head_dim)]
 
 
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.32's KVCacheLayout
