@@ -144,9 +144,10 @@ def block_rows(geo: Geometry, region_addr: np.ndarray, block_ids: Sequence[Seque
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every byte row of the listed blocks: (rows (N, 2) [address, length], cache group, block id).
 
-    A block's bytes in group g are, for each view of g, each kernel page of the block and each
-    segment of the view, `region_addr[view.region] + page * view.page_stride + segment.offset`,
-    `segment.nbytes` long (state groups: one page per block).
+    A block's bytes in group g are, for each view of g and each kernel page of the block, the
+    span of the view's segments: from `region_addr[view.region] + page * view.page_stride` plus
+    the first segment's offset to the end of the last (segments may interleave: CPU attention's
+    K and V; state groups: one page per block).
     """
     rows: list[np.ndarray] = []
     groups: list[np.ndarray] = []
@@ -158,12 +159,13 @@ def block_rows(geo: Geometry, region_addr: np.ndarray, block_ids: Sequence[Seque
         ppb = group.pages_per_block if group.kind == ATTENTION else 1
         pages = (ids[:, None] * ppb + np.arange(ppb)).ravel()
         owner = np.repeat(ids, ppb)
-        for view in group.views:
-            for seg in view.segments:
-                addr = region_addr[view.region] + pages * view.page_stride + seg.offset
-                rows.append(np.stack([addr, np.full_like(addr, seg.nbytes)], axis=1))
-                groups.append(np.full(len(addr), g, dtype=np.int64))
-                blocks.append(owner)
+        for view in [v for v in group.views if v.segments]:
+            first = min(s.offset for s in view.segments)
+            span = max(s.offset + s.extent for s in view.segments) - first
+            addr = region_addr[view.region] + pages * view.page_stride + first
+            rows.append(np.stack([addr, np.full_like(addr, span)], axis=1))
+            groups.append(np.full(len(addr), g, dtype=np.int64))
+            blocks.append(owner)
     if not rows:
         empty = np.zeros(0, dtype=np.int64)
         return np.zeros((0, 2), dtype=np.int64), empty, empty

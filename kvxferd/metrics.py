@@ -63,6 +63,7 @@ class Metrics:
         self.inflight = Gauge("kvxferd_transfers_in_flight", "Read requests in flight", registry=r)
         self.quarantined = Gauge("kvxferd_quarantined_transfers",
                                  "Transfers past their deadline whose outcome is unknown", registry=r)
+        self.quarantines = Counter("kvxferd_quarantines", "Reads that failed while NIXL still ran them", registry=r)
         self.held = Gauge("kvxferd_held_requests", "Prefill requests held for consumers", registry=r)
         self.held_oldest = Gauge("kvxferd_held_oldest_age_seconds", "Age of the oldest held request", registry=r)
         self.holds_finished = Counter("kvxferd_holds", "Held requests finished, by outcome (sent, expired, dropped)",

@@ -223,6 +223,7 @@ class Counters(msgspec.Struct):
     unauthenticated_peers: int = 0
     forbidden: int = 0  # requests naming a rank from a connection that may not act for it
     integrity_failures: int = 0  # audited reads whose bytes did not match the prefill's digests
+    quarantined: int = 0  # reads that failed while NIXL still ran them (their memory stayed pinned)
 
 
 class Percentiles(msgspec.Struct, omit_defaults=True):

@@ -330,6 +330,7 @@ class Reads:
         self._in_flight.pop(t.key, None)
         if t.running:
             self._quarantine.append(t)
+            self._recorder.read_quarantined()
         self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
     def fail_engine(self, er: EngineRank, why: str) -> None:

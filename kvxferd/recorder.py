@@ -71,6 +71,10 @@ class Recorder:
         self.metrics.inflight.set(in_flight)
         self.metrics.quarantined.set(quarantined)
 
+    def read_quarantined(self) -> None:
+        self.counters.quarantined += 1
+        self.metrics.quarantines.inc()
+
     def read_posted(self, peer: str, descriptors: int, notifications: int, since_rpc_s: float,
                     slices: int = 0) -> None:
         """`slices`: how many lanes the read was split across (0: posted whole)."""

@@ -187,9 +187,9 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         blocks = c.prefill.prefill(1, BIG_TOKENS, 30.0)
         _, outcomes, local = read_outcome(c, 1, BIG_TOKENS, 0.002, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
-        st = c.status(1)
-        assert st.quarantined > 0, st  # NIXL cannot cancel: the reads still run, the memory stays
-        assert sum(e.pinned for e in st.engines) == st.quarantined, st  # each keeps its rank's memory
+        st = c.status(1)  # NIXL cannot cancel: the reads ran on, each keeping its rank's memory pinned
+        assert st.counters.quarantined == 4, st
+        assert sum(e.pinned for e in st.engines) == st.quarantined, st  # (the fastest may have ended already)
         wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined transfers to finish")
         assert all(e.pinned == 0 for e in c.status(1).engines)
         c.prefill.wait_released(1, 30)

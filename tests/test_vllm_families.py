@@ -65,13 +65,21 @@ FAMILIES = [
 
 
 class World:
+    """A (prefill), O (prefill, other weights), B (decode) and C (TP 2, both roles), each daemon auditing.
+
+    vLLM steps an engine without pause while its transfers are pending (its CPU scheduler process
+    spins, "TODO: make scheduler proc sleep when idle"). A TP 1 engine pinned to the core of one of
+    C's ranks has, spinning while it held a request for C, kept that rank from running for the whole
+    lease. The TP 1 engines are not pinned, so the kernel moves them off the core C's rank needs.
+    """
+
     def __init__(self, workdir, family: Family):
         self.family, self.workdir = family, workdir
         kind = family.model or family.name
         base = MODELS / f"tiny-{kind}"
         model, other = make_model(base.with_name(base.name + "-seed0"), 0, kind), \
             make_model(base.with_name(base.name + "-seed1"), 1, kind)
-        audit = ["--integrity-audit"]
+        audit = ["--integrity-audit", "--handshake-timeout", "30"]  # a busy 2-core machine: see World
         self.metrics = {"b": free_port(), "c": free_port()}
         self.da = DaemonProcess(workdir, f"{family.name}-a", extra=audit)
         self.db = DaemonProcess(workdir, f"{family.name}-b", metrics_port=self.metrics["b"], extra=audit)
@@ -81,11 +89,11 @@ class World:
                       connector="kvxferd")
         lease = {"lease_s": LEASE_S}  # a refused read leaves its prefill hold to the lease
         self.a = VllmServer(workdir, f"{family.name}-A", model, role="kv_producer", socket=self.da.socket,
-                            cores="0", extra_config=lease, **common)
+                            cores="nobind", extra_config=lease, **common)
         self.o = VllmServer(workdir, f"{family.name}-O", other, role="kv_producer", socket=self.da.socket,
-                            cores="0", extra_config=lease, **common)
+                            cores="nobind", extra_config=lease, **common)
         self.b = VllmServer(workdir, f"{family.name}-B", model, role="kv_consumer", socket=self.db.socket,
-                            cores="1", extra_config={"enforce_handshake_compat": False}, **common)
+                            cores="nobind", extra_config={"enforce_handshake_compat": False}, **common)
         self.c = VllmServer(workdir, f"{family.name}-C", model, role="kv_both", socket=self.dc.socket, tp=2,
                             cores="0|1", extra_config=lease, **common) if self.dc else None
         start(*[s for s in (self.a, self.o, self.b, self.c) if s is not None])

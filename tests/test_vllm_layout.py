@@ -7,10 +7,11 @@ layout (`strides_of`, from the `[L, B, H, N, C]` permutation) and sliced by TP t
 vLLM shards. After the descriptors are copied as NIXL pairs them, the decode's buffer is
 read back through the same strides and compared with the logical cache it should hold.
 
-Covered: every KVCacheLayout a backend of vLLM 0.32 picks (CPU's sealed LBHNC, GPU's
-LBHNC/LBNHC/BLHNC/BLNHC), heterogeneous TP both ways, GQA replicas, block-size mismatch on
-token-addressable layouts, overlaid cache groups with sliding-window trimming, MLA latents,
-Mamba2 and GDN state in DS and SD conv layouts.
+Covered: every KVCacheLayout a backend of vLLM 0.32 picks (CPU's LBHNC with each head's K
+transposed, in rows, or sealed; GPU's LBHNC/LBNHC/BLHNC/BLNHC), heterogeneous TP both ways, GQA
+replicas, block-size mismatch on token-addressable layouts (CPU's transposed keys included),
+overlaid cache groups with sliding-window trimming, MLA latents, Mamba2 and GDN state in DS and
+SD conv layouts.
 """
 
 from __future__ import annotations
@@ -76,24 +77,57 @@ class AttentionRank:
             .reshape(layers, n // k, heads, k * kt, c)
 
 
-def attention_world(order: str, total_heads: int, tp: int, tokens: int, seed: int, sealed: bool = False,
+class CpuAttentionRank(AttentionRank):
+    """vLLM's CPU attention: the view [B, H, N, K|V] vLLM hands out, but each head's area holds
+    its N keys (transposed: element-major; or in rows), then its N values in rows."""
+
+    def __init__(self, kv_split: str, *args) -> None:
+        super().__init__("LBHNC", *args)
+        self.kv_split = kv_split
+
+    def _areas(self, layer: int) -> np.ndarray:  # [B, H, K|V, N * D]
+        s = self.sizes
+        return self.layer_view(layer).reshape(s["B"], s["H"], 2, s["N"] * s["C"] // 2)
+
+    def fill(self, logical: np.ndarray) -> None:
+        b, h, n, d = self.sizes["B"], self.sizes["H"], self.sizes["N"], self.sizes["C"] // 2
+        for i in range(self.sizes["L"]):
+            heads = logical[i, :, self.heads[0]:self.heads[1]]  # [B, H, N, 2D]
+            keys = heads[..., :d].transpose(0, 1, 3, 2) if self.kv_split == "k_transposed" else heads[..., :d]
+            self._areas(i)[:, :, 0] = keys.reshape(b, h, n * d)
+            self._areas(i)[:, :, 1] = heads[..., d:].reshape(b, h, n * d)
+
+    def read(self) -> np.ndarray:
+        b, h, n, d = self.sizes["B"], self.sizes["H"], self.sizes["N"], self.sizes["C"] // 2
+        out = []
+        for i in range(self.sizes["L"]):
+            k, v = self._areas(i)[:, :, 0], self._areas(i)[:, :, 1]
+            keys = k.reshape(b, h, d, n).transpose(0, 1, 3, 2) if self.kv_split == "k_transposed" \
+                else k.reshape(b, h, n, d)
+            out.append(np.concatenate([keys, v.reshape(b, h, n, d)], axis=-1))
+        return np.stack(out)
+
+
+def attention_world(order: str, total_heads: int, tp: int, tokens: int, seed: int, kv_split: str = "",
                     layers: int = 2, blocks: int = 10, head: int = 8, kernel_pages: int = 1):
     """(geometries, ranks, logical cache) of one engine: every rank filled from one logical cache.
 
     `kernel_pages` > 1: the backend's kernel pages hold tokens / kernel_pages tokens each, a block
-    spans that many consecutive pages (vLLM's kernel block size below its block size)."""
+    spans that many consecutive pages (vLLM's kernel block size below its block size). `kv_split`:
+    CPU attention's heads (K then V; `order` must be LBHNC)."""
     content = 2 * head  # K|V of one token of one head
     rng = np.random.default_rng(seed)
     logical = rng.integers(0, 2**16, (layers, blocks, total_heads, tokens, content), dtype=np.uint16)
     spec = layout.GroupSpec("attention", tokens, "FullAttentionSpec", total_kv_heads=total_heads,
-                            head_bytes=content * ITEM, sealed=sealed)
+                            head_bytes=content * ITEM, kv_split=kv_split)
     kt = tokens // kernel_pages
     pages = logical.reshape(layers, blocks, total_heads, kernel_pages, kt, content).transpose(0, 1, 3, 2, 4, 5) \
         .reshape(layers, blocks * kernel_pages, total_heads, kt, content)
     geos, ranks = {}, {}
     for r in range(tp):
         heads = shard(total_heads, tp, r, "heads")
-        rank = AttentionRank(order, layers, blocks * kernel_pages, heads, kt, content)
+        dims = (layers, blocks * kernel_pages, heads, kt, content)
+        rank = CpuAttentionRank(kv_split, *dims) if kv_split and kv_split != "sealed" else AttentionRank(order, *dims)
         rank.fill(pages)
         rank.kernel_pages = kernel_pages
         geos[r] = layout.geometry("m", "bf16", tp, r, [rank.buffer.nbytes], [spec], rank.layer_caches())
@@ -110,18 +144,19 @@ def run_reads(p_geos, p_ranks, d_geos, d_ranks, req: RequestBlocks) -> int:
 
 
 TP_CASES = [(2, 1, 1), (4, 2, 1), (4, 1, 2), (4, 4, 2), (2, 1, 4), (2, 4, 1)]  # (kv heads, prefill TP, decode TP)
-LAYOUT_CASES = [(order, sealed, *tp) for order, sealed in [("LBHNC", True), ("LBHNC", False), ("BLHNC", False)]
-                for tp in TP_CASES]
+CPU_SPLITS = ["k_transposed", "k_rows", "sealed"]
+LAYOUT_CASES = [(order, split, *tp) for order, split in [*(("LBHNC", s) for s in CPU_SPLITS), ("LBHNC", ""),
+                                                         ("BLHNC", "")] for tp in TP_CASES]
 # token-major pages interleave heads per token: same TP only (test_token_major_refuses_heterogeneous_tp)
-LAYOUT_CASES += [(order, False, 2, tp, tp) for order in ("LBNHC", "BLNHC") for tp in (1, 2)]
+LAYOUT_CASES += [(order, "", 2, tp, tp) for order in ("LBNHC", "BLNHC") for tp in (1, 2)]
 
 
-@pytest.mark.parametrize("order,sealed,heads,p_tp,d_tp", LAYOUT_CASES)
+@pytest.mark.parametrize("order,kv_split,heads,p_tp,d_tp", LAYOUT_CASES)
 @pytest.mark.parametrize("hit", [0, 2])
-def test_attention_layouts_byte_exact(order, sealed, heads, p_tp, d_tp, hit):
+def test_attention_layouts_byte_exact(order, kv_split, heads, p_tp, d_tp, hit):
     bs, num_tokens = 4, 5 * 4 - 1  # five blocks, the last one partial
-    p_geos, p_ranks, p_logical = attention_world(order, heads, p_tp, bs, seed=1, sealed=sealed)
-    d_geos, d_ranks, d_logical = attention_world(order, heads, d_tp, bs, seed=2, sealed=sealed)
+    p_geos, p_ranks, p_logical = attention_world(order, heads, p_tp, bs, seed=1, kv_split=kv_split)
+    d_geos, d_ranks, d_logical = attention_world(order, heads, d_tp, bs, seed=2, kv_split=kv_split)
     p_blocks, d_blocks = [7, 2, 9, 0, 4], [3, 1, 5, 8, 6]
     moved = run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(num_tokens, [d_blocks[hit:]], [p_blocks]))
     expected = d_logical.copy()
@@ -140,12 +175,14 @@ def test_token_major_refuses_heterogeneous_tp():
         plan_rank(d_geos[0], {0: p_geos[0]})
 
 
-@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize("order,kv_split", [("LBHNC", ""), ("BLHNC", ""), ("LBHNC", "k_transposed"),
+                                            ("LBHNC", "k_rows")])
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
-def test_block_size_translation_on_token_addressable_pages(order, p_tp, d_tp):
-    """The prefill's blocks of 4 tokens land in the decode's blocks of 8 (GPU backends' rows)."""
-    p_geos, p_ranks, p_logical = attention_world(order, 4, p_tp, 4, seed=3, blocks=12)
-    d_geos, d_ranks, d_logical = attention_world(order, 4, d_tp, 8, seed=4, blocks=6)
+def test_block_size_translation_on_token_addressable_pages(order, kv_split, p_tp, d_tp):
+    """The prefill's blocks of 4 tokens land in the decode's blocks of 8 (GPU backends' rows, and
+    CPU attention's keys: a lane per key element)."""
+    p_geos, p_ranks, p_logical = attention_world(order, 4, p_tp, 4, seed=3, blocks=12, kv_split=kv_split)
+    d_geos, d_ranks, d_logical = attention_world(order, 4, d_tp, 8, seed=4, blocks=6, kv_split=kv_split)
     num_tokens = 21  # P: 6 blocks; D: 3 blocks
     p_blocks, d_blocks = [11, 3, 8, 0, 5, 2], [4, 1, 2]
     run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(num_tokens, [d_blocks], [p_blocks]))
@@ -172,8 +209,8 @@ def test_kernel_pages_smaller_than_blocks(p_kernel, d_kernel):
 
 
 def test_block_size_mismatch_on_sealed_heads_is_refused_naming_it():
-    p_geos, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, sealed=True)
-    d_geos, _, _ = attention_world("LBHNC", 2, 1, 8, seed=2, sealed=True)
+    p_geos, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, kv_split="sealed")
+    d_geos, _, _ = attention_world("LBHNC", 2, 1, 8, seed=2, kv_split="sealed")
     with pytest.raises(PlanError, match=r"block-size mismatch.*same block size"):
         plan_rank(d_geos[0], {0: p_geos[0]})
 

@@ -36,7 +36,9 @@ class World:
         self.p_port = free_port()
         self.p_daemon = DaemonProcess(workdir, "p-daemon", side_channel_port=self.p_port)
         self.d_metrics = free_port()
-        self.d_daemon = DaemonProcess(workdir, "d-daemon", metrics_port=self.d_metrics)
+        # a TP 2 prefill's daemon, on two cores its engine keeps busy, has taken over 5 s to answer
+        self.d_daemon = DaemonProcess(workdir, "d-daemon", metrics_port=self.d_metrics,
+                                      extra=["--handshake-timeout", "30"])
         m = model(0)
         self.ref = VllmServer(workdir, "single", m, cores="0", dtype=DTYPE)
         self.p = VllmServer(workdir, "prefill", m, role="kv_producer", connector="kvxferd", dtype=DTYPE,

@@ -52,6 +52,18 @@ def test_a_hold_whose_lease_passes_is_freed(daemon):
     w.close()
 
 
+def test_an_idle_step_waits_for_the_daemon_and_a_busy_step_does_not(daemon):
+    """vLLM steps an engine without pause while transfers are pending: a step with no tokens
+    scheduled waits for the next completion instead of returning at once (and spinning)."""
+    w = make_worker(daemon)
+    w.idle_wait_s = 30.0
+    w.start(Orders([HoldOrder("r1", [[1, 2]], 0.5)], [], idle=False))
+    assert not w.results().sending  # a busy step: one look, the lease has not passed
+    w.start(Orders([], [], idle=True))
+    assert w.results().sending == {"r1"}  # one idle step: it waited until the lease passed
+    w.close()
+
+
 def test_a_refused_hold_is_freed_by_the_worker_after_its_lease(daemon, monkeypatch):
     monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.2)
     w = make_worker(daemon)

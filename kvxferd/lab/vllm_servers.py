@@ -83,7 +83,7 @@ class VllmServer:
     socket: str = ""  # kvxferd daemon socket
     tp: int = 1
     dtype: str = "bfloat16"
-    cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2
+    cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2; "nobind": one unpinned thread
     block_size: int = 32
     prefix_caching: bool = True
     args: list[str] = field(default_factory=list)  # more `vllm serve` flags
@@ -105,6 +105,8 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND=self.cores, PYTHONUNBUFFERED="1", **self.env)
+        if self.cores == "nobind":
+            env.setdefault("OMP_NUM_THREADS", "1")
         self.log = open(self.log_path, "a")  # noqa: SIM115  (the server's stdout for its lifetime; closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -21,9 +21,18 @@ Vocabulary (one for every model kind):
 
     page of a token-major (NHD) segment: | tok0: units... | tok1: units... | ...
 
+    a unit of several lanes (vLLM's CPU attention keeps a head's K transposed: one lane per
+    element of the head dimension, each lane the page's tokens), units `unit_stride` apart
+    (K and V of one head side by side, two segments interleaved):
+
+      | unit start                              | (V of unit start) | unit start+1 ...
+      | lane 0: tok0..tokT | lane 1: tok0..tokT | ...               |
+        <--> token_bytes (one element)
+      <----------------------- unit_stride ------------------------->
+
     page of a sealed unit-major segment: units back to back as above, but the bytes inside
-    a unit are the engine's own (vLLM's CPU backend keeps a head's K transposed and its V
-    after it): a unit moves whole, its tokens cannot be addressed one by one.
+    a unit are the engine's own order, which kvxferd could not confirm: a unit moves whole,
+    its tokens cannot be addressed one by one.
 
 A state segment (Mamba conv / SSM state) is a segment with one "token" per page.
 Nothing in this module does I/O; it crosses the wire as msgspec structs.
@@ -57,20 +66,36 @@ class Segment(msgspec.Struct, frozen=True):
     unit_start: int  # this rank holds units [unit_start, unit_stop)
     unit_stop: int
     tokens: int  # tokens per page (1 for state segments)
-    token_bytes: int  # bytes of one token of one unit
+    token_bytes: int  # bytes of one token of one unit (of one lane)
     layout: SegmentLayout = UNIT_MAJOR
+    lanes: int = 1  # unit-major: runs of `tokens` tokens per unit, back to back
+    stride: int = 0  # unit-major: bytes from one unit to the next; 0: units back to back
 
     @property
     def local_units(self) -> int:
         return self.unit_stop - self.unit_start
 
     @property
-    def unit_bytes(self) -> int:
+    def lane_bytes(self) -> int:
         return self.tokens * self.token_bytes
 
     @property
+    def unit_bytes(self) -> int:
+        return self.lanes * self.lane_bytes
+
+    @property
+    def unit_stride(self) -> int:
+        return self.stride or self.unit_bytes
+
+    @property
     def nbytes(self) -> int:
+        """The bytes this rank holds in one page."""
         return self.local_units * self.unit_bytes
+
+    @property
+    def extent(self) -> int:
+        """From the segment's offset to the end of its last unit (other segments may lie between)."""
+        return (self.local_units - 1) * self.unit_stride + self.unit_bytes
 
 
 class View(msgspec.Struct, frozen=True):
@@ -163,7 +188,7 @@ def validate(geo: Geometry) -> Geometry:
                 raise GeometryError(f"{where}: page_stride and num_pages must be positive")
             # The last page need only hold its segments: pages may be spaced wider than they are
             # long (blocks-outermost layouts interleave other layers' pages between them).
-            extent = max((s.offset + s.nbytes for s in v.segments), default=0)
+            extent = max((s.offset + s.extent for s in v.segments), default=0)
             if (v.num_pages - 1) * v.page_stride + extent > geo.regions[v.region].length:
                 raise GeometryError(f"{where}: {v.num_pages} pages of {v.page_stride} B exceed the region")
             for s in v.segments:
@@ -180,5 +205,9 @@ def _validate_segment(s: Segment, g: CacheGroup, v: View, where: str) -> None:
                             f"{g.tokens_per_page}, token_bytes must be positive")
     if s.layout not in LAYOUTS:
         raise GeometryError(f"{where}: unknown layout {s.layout!r}")
-    if s.offset < 0 or s.offset + s.nbytes > v.page_stride:
-        raise GeometryError(f"{where}: [{s.offset}, +{s.nbytes}) outside the {v.page_stride} B page")
+    if s.lanes < 1 or (s.lanes > 1 and s.layout != UNIT_MAJOR):
+        raise GeometryError(f"{where}: {s.lanes} lanes per unit (only unit-major segments have several)")
+    if s.stride and (s.stride < s.unit_bytes or s.layout == TOKEN_MAJOR):
+        raise GeometryError(f"{where}: units {s.stride} B apart, each {s.unit_bytes} B long")
+    if s.offset < 0 or s.offset + s.extent > v.page_stride:
+        raise GeometryError(f"{where}: [{s.offset}, +{s.extent}) outside the {v.page_stride} B page")

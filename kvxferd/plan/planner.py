@@ -252,12 +252,14 @@ def _pieces(gi: int, key: str, lvi: int, rvi: int, seg: Segment, rseg: Segment,
 
     Offsets are bytes from the start of a page; tb = token_bytes, c = `chunk`, unit_bytes = tokens * tb:
 
-        local_at  = seg.offset  + (start - seg.unit_start)  * seg.unit_bytes
-        remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_bytes
+        local_at  = seg.offset  + (start - seg.unit_start)  * seg.unit_stride
+        remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_stride
 
-    Both sides c tokens per page: one piece, local_at <- remote_at, (stop - start) * unit_bytes long.
-    Otherwise one piece per unit u = start + i: local_at + i * seg.unit_bytes <- remote_at + i *
-    rseg.unit_bytes, c * tb long, step c * tb (phase p of a page starts p * c * tb further on).
+    Both sides c tokens per page: one piece, local_at <- remote_at, (stop - start) * unit_bytes long
+    (a piece per unit where units are not back to back). Otherwise one piece per unit u = start + i
+    and lane l: local_at + i * seg.unit_stride + l * seg.lane_bytes <- remote_at + i *
+    rseg.unit_stride + l * rseg.lane_bytes, c * tb long, step c * tb (phase p of a page starts
+    p * c * tb further on).
     Token-major (same units on both sides): one piece seg.offset <- rseg.offset covering c tokens of
     all units, c * (stop - start) * tb long, step the same. Unit-sealed: whole units only.
 
@@ -290,17 +292,28 @@ def _pieces(gi: int, key: str, lvi: int, rvi: int, seg: Segment, rseg: Segment,
                             "per page) needs token-addressable pages, but this layout seals each head's tokens "
                             "(vLLM's CPU backend stores a head's K transposed next to its V); run both engines "
                             "with the same block size")
-    local_at = seg.offset + (start - seg.unit_start) * seg.unit_bytes
-    remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_bytes
-    if seg.tokens == rseg.tokens == chunk:  # whole units: one piece for the run
-        length = (stop - start) * seg.unit_bytes
-        return [Piece(gi, f"{key}[{start}:{stop}]", lvi, rvi, local_at, remote_at, length, length, length)]
-    return [Piece(gi, f"{key}[{u}]", lvi, rvi, local_at + i * seg.unit_bytes, remote_at + i * rseg.unit_bytes,
-                  chunk * tb, chunk * tb, chunk * tb) for i, u in enumerate(range(start, stop))]
+    if seg.lanes != rseg.lanes:
+        raise PlanError(f"segment {key}: {seg.lanes} lanes per unit locally, {rseg.lanes} on the remote side")
+    local_at = seg.offset + (start - seg.unit_start) * seg.unit_stride
+    remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_stride
+    units = range(stop - start)
+    if seg.tokens == rseg.tokens == chunk:  # whole units: one piece for the run where they are back to back
+        if seg.unit_stride == seg.unit_bytes and rseg.unit_stride == rseg.unit_bytes:
+            length = (stop - start) * seg.unit_bytes
+            return [Piece(gi, f"{key}[{start}:{stop}]", lvi, rvi, local_at, remote_at, length, length, length)]
+        n = seg.unit_bytes
+        return [Piece(gi, f"{key}[{start + i}]", lvi, rvi, local_at + i * seg.unit_stride,
+                      remote_at + i * rseg.unit_stride, n, n, n) for i in units]
+    return [Piece(gi, f"{key}[{start + i}]" + (f".{lane}" if seg.lanes > 1 else ""), lvi, rvi,
+                  local_at + i * seg.unit_stride + lane * seg.lane_bytes,
+                  remote_at + i * rseg.unit_stride + lane * rseg.lane_bytes, chunk * tb, chunk * tb, chunk * tb)
+            for i in units for lane in range(seg.lanes)]
 
 
 def _merge(pieces: list[Piece]) -> list[Piece]:
-    """Join neighbours contiguous on both sides (K|V of a blocks-first page, conv x|B|C|ssm)."""
+    """Join neighbours contiguous on both sides (K|V of a blocks-first page, conv x|B|C|ssm, the
+    interleaved K and V segments of CPU attention's heads): in page order, then joined."""
+    pieces = sorted(pieces, key=lambda p: (p.group, p.local_view, p.remote_view, p.local_offset))
     out = [pieces[0]]
     for p in pieces[1:]:
         q = out[-1]

@@ -84,7 +84,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
             from .worker import WorkerSide
             self.worker = WorkerSide(self.options.socket, self.engine_id, get_tensor_model_parallel_rank(),
-                                     self.tp_size, self.options.read_deadline_s)
+                                     self.tp_size, self.options.read_deadline_s, self.options.idle_wait_ms / 1e3)
         self._side: tuple[str, int] | None = None
         self._load_errors: set[int] = set()
 
@@ -114,7 +114,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KvxferdMetadata(self.scheduler.take_orders())
+        return KvxferdMetadata(self.scheduler.take_orders(idle=scheduler_output.total_num_scheduled_tokens == 0))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

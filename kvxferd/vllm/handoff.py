@@ -61,6 +61,7 @@ class Orders(msgspec.Struct, array_like=True):
 
     holds: list[HoldOrder] = []
     reads: list[ReadOrder] = []
+    idle: bool = False  # no tokens scheduled this step: the engine only waits for transfers
 
 
 NULL_BLOCK = 0  # vLLM's placeholder block: in a list, a block the group does not keep

@@ -18,9 +18,14 @@ MLA latent), with strides set by the engine's `KVCacheLayout`:
     layer l, block b:  buffer + layer offset + b * stride[B]          (kernel page b)
                        + h * stride[H] + n * stride[N]                 (head h, token n)
 
-vLLM's CPU attention keeps a head's interior in its own order (K transposed, ISA dependent),
-so there a head moves whole (`unit_sealed`): block-size translation needs a token-addressable
-backend. A Mamba/GDN layer's view is `[B, 1, 1, state bytes]` (int8), its page padded to the
+vLLM's CPU attention splits a head's area in two, K then V (`kv_split`, found by the worker
+with the kernel itself), each N x D/2 elements of C = K|V:
+
+    head h: | K: element 0 of tok 0..N-1 | element 1 ... |  V: tok 0 | tok 1 | ... tok N-1 |
+            k_transposed: one lane per K element (token-addressable, so blocks translate)
+            k_rows: K in token rows like V;  sealed: an order not confirmed, the head moves whole
+
+A Mamba/GDN layer's view is `[B, 1, 1, state bytes]` (int8), its page padded to the
 attention page; the states follow one another from byte 0 (`state_segments`).
 """
 
@@ -46,6 +51,8 @@ from ..plan.geometry import (
     shard,
     validate,
 )
+
+KV_SPLITS = ("k_transposed", "k_rows", "sealed")  # how CPU attention orders K inside a head's K area
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class GroupSpec:
     spec_name: str = ""  # vLLM's spec class, for error messages
     total_kv_heads: int = 0  # attention: across all TP ranks (1 for an MLA latent)
     head_bytes: int = 0  # attention: bytes of one token of one head (K|V, or the latent)
-    sealed: bool = False  # attention: the backend keeps a head's interior in its own order
+    kv_split: str = ""  # attention: "" (a token's K|V together), or CPU's K-then-V heads (KV_SPLITS)
     mamba_type: str = ""  # state: "mamba2", "gdn", "mamba1", or another (sharded by first dim)
     states: tuple[StateTensor, ...] = ()  # state: conv state first, then the temporal (SSM) state
     conv_layout: str = "DS"  # state: "DS" (channels, width) or "SD" (width, channels)
@@ -118,7 +125,7 @@ def geometry(model: str, dtype: str, tp_size: int, tp_rank: int, buffers: list[i
         else:
             raise GeometryError(f"layer {layer.name}: cache group {layer.group} is {spec.spec_name or spec.kind}, "
                                 "neither attention nor state")
-        extent = max(s.offset + s.nbytes for s in segments)
+        extent = max(s.offset + s.extent for s in segments)
         key = (layer.buffer, layer.offset, (num_pages - 1) * stride + extent)
         if key not in region_at:
             region_at[key] = len(regions)
@@ -164,7 +171,7 @@ def _attention_layout(layer: LayerCache, spec: GroupSpec, tp_size: int,
                             f"give rank {tp_rank} {stop - start}")
     layout: SegmentLayout
     if s_token == content and (heads == 1 or s_head == tokens * content):
-        layout = UNIT_SEALED if spec.sealed else UNIT_MAJOR  # LBHNC, BLHNC (and any layout when H = 1)
+        layout = UNIT_MAJOR  # LBHNC, BLHNC (and any layout when H = 1)
     elif s_head == content and s_token == heads * content:
         layout = TOKEN_MAJOR  # LBNHC, BLNHC
     else:
@@ -174,8 +181,27 @@ def _attention_layout(layer: LayerCache, spec: GroupSpec, tp_size: int,
     if s_page * item < heads * tokens * token_bytes:
         raise GeometryError(f"{where}: pages of {s_page * item} B overlap (a page holds "
                             f"{heads * tokens * token_bytes} B)")
-    seg = Segment("kv", 0, spec.total_kv_heads, start, stop, tokens, token_bytes, layout)
-    return s_page * item, [seg], pages, spec.block_size // tokens
+    if spec.kv_split and layout == UNIT_MAJOR:
+        segments = _split_heads(spec, (start, stop), tokens, token_bytes, item, where)
+    else:
+        segments = [Segment("kv", 0, spec.total_kv_heads, start, stop, tokens, token_bytes, layout)]
+    return s_page * item, segments, pages, spec.block_size // tokens
+
+
+def _split_heads(spec: GroupSpec, units: tuple[int, int], tokens: int, token_bytes: int, item: int,
+                 where: str) -> list[Segment]:
+    """CPU attention's heads: K (`kv_split`) then V, two segments interleaved head by head."""
+    half, head = token_bytes // 2, tokens * token_bytes  # K or V of one token; one head's area
+    total = spec.total_kv_heads
+    if spec.kv_split == "sealed":
+        return [Segment("kv", 0, total, *units, tokens, token_bytes, UNIT_SEALED)]
+    if spec.kv_split == "k_transposed":
+        k = Segment("k", 0, total, *units, tokens, item, lanes=half // item, stride=head)
+    elif spec.kv_split == "k_rows":
+        k = Segment("k", 0, total, *units, tokens, half, stride=head)
+    else:
+        raise GeometryError(f"{where}: kv_split {spec.kv_split!r} is none of {', '.join(KV_SPLITS)}")
+    return [k, Segment("v", tokens * half, total, *units, tokens, half, stride=head)]
 
 
 def _squeeze_to_bhnc(layer: LayerCache) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -14,6 +14,10 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     read_deadline_s: float = 30.0  # decode: a read not done by then fails (policy decides)
     connect_timeout_s: float = 60.0  # worker start: how long to wait for the daemon
     side_channel: str = ""  # prefill: host:port decoders dial; default: what the daemon says
+    # A step that schedules no tokens while transfers are pending (vLLM steps on until they end)
+    # waits up to this long for the daemon's next completion instead of spinning: an engine
+    # idle but for transfers leaves its cores to others; a new request waits at most this long.
+    idle_wait_ms: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:

@@ -23,8 +23,8 @@ def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, 
     model_config = vllm_config.model_config
     group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
     device = vllm_config.device_config.device_type
-    groups = [group_spec(g.kv_cache_spec, g.layer_names, model_config, worker.tp_size, device)
-              for g in kv_cache_config.kv_cache_groups]
+    groups = [group_spec(g.kv_cache_spec, g.layer_names, model_config, worker.tp_size, device,
+                         vllm_config.cache_config.cache_dtype) for g in kv_cache_config.kv_cache_groups]
     buffers, placed = shared_kv.share(kv_caches, _bound_caches(vllm_config))
     layers = [layout.LayerCache(name, group_of[name], *placed[name], tuple(t.shape), tuple(t.stride()),
                                 t.element_size())
@@ -39,13 +39,15 @@ def register_worker(worker: WorkerSide, vllm_config: Any, kv_cache_config: Any, 
     worker.register(geometry, buffers, options.connect_timeout_s)
 
 
-def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: int, device: str) -> layout.GroupSpec:
+def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: int, device: str,
+               cache_dtype: str = "auto") -> layout.GroupSpec:
     """One cache group's spec, as plain numbers (`layout.GroupSpec`)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
     name = type(spec).__name__
     if isinstance(spec, UniformTypeKVCacheSpecs):  # one spec type with per-layer details: all must agree
-        specs = {repr(group_spec(s, [n], model_config, tp_size, device)) for n, s in spec.kv_cache_specs.items()}
+        specs = {repr(group_spec(s, [n], model_config, tp_size, device, cache_dtype))
+                 for n, s in spec.kv_cache_specs.items()}
         if len(specs) != 1:
             raise layout.GeometryError(f"cache group of {name}: its layers differ in heads or sizes")
         spec = next(iter(spec.kv_cache_specs.values()))
@@ -59,10 +61,42 @@ def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: in
             "attention", spec.block_size, name,
             total_kv_heads=total_kv_heads(spec, layer_names, model_config, tp_size),
             head_bytes=spec.state_content_size_bytes,
-            # vLLM's CPU attention keeps each head's K transposed inside the page; MLA latents are rows
-            sealed=device == "cpu" and not isinstance(spec, MLAAttentionSpec))
+            # vLLM's CPU attention keeps a head's K, then its V (MLA latents are rows)
+            kv_split=cpu_kv_split(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+            if device == "cpu" and not isinstance(spec, MLAAttentionSpec) else "")
     raise layout.GeometryError(f"cache group of {name} ({', '.join(layer_names[:3])}): kvxferd describes "
                                "attention (full, sliding-window, MLA) and Mamba/GDN state groups")
+
+
+def cpu_kv_split(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """How vLLM's CPU attention orders a head's keys (`layout.KV_SPLITS`), found by writing known
+    keys and values into one page with the kernel itself: its order depends on the ISA it picks."""
+    import torch
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        gen = torch.Generator().manual_seed(0)
+        key, value = (torch.randn(block_size, 1, head_size, generator=gen).to(dtype) for _ in range(2))
+        page = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+        k_area, v_area = page.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_area, v_area, torch.arange(block_size), isa,
+                                       kv_cache_dtype=cache_dtype)
+    except Exception as exc:  # another vLLM, or a cache format the kernel converts: move whole heads
+        log.info("kvxferd: CPU attention's key order not probed (%s): heads move whole", exc)
+        return "sealed"
+    keys = k_area[0, 0].reshape(-1)
+    if not torch.equal(v_area[0, 0], value[:, 0]):
+        split = "sealed"
+    elif torch.equal(keys, key[:, 0].T.reshape(-1)):
+        split = "k_transposed"
+    elif torch.equal(keys, key[:, 0].reshape(-1)):
+        split = "k_rows"
+    else:
+        split = "sealed"
+    log.info("kvxferd: CPU attention (%s, block %d, head %d) orders keys %s", isa, block_size, head_size, split)
+    return split
 
 
 def _check_state_placement(vllm_config: Any, groups: list[layout.GroupSpec], layers: list[layout.LayerCache]) -> None:

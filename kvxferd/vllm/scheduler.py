@@ -135,6 +135,8 @@ class SchedulerSide:
         return True, prefill_params(self.engine_id, request.request_id, host, port, self.tp_size, blocks,
                                     request.num_computed_tokens, [g.block_size for g in self.groups])
 
-    def take_orders(self) -> Orders:
+    def take_orders(self, idle: bool = False) -> Orders:
+        """This step's orders; `idle`: the step schedules no tokens (workers may wait for the daemon)."""
         orders, self.orders = self.orders, Orders([], [])
+        orders.idle = idle
         return orders

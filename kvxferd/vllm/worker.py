@@ -5,6 +5,8 @@
     each step:  orders from the scheduler -> hold / read / release RPCs
                 poll (only while something is pending) -> finished sending / receiving,
                 failed reads' block ids -> vLLM's kv_load_failure_policy
+                (a step with no tokens scheduled waits up to `idle_wait_s` for a completion:
+                vLLM steps an engine without pause while transfers are pending)
 
 The daemon can restart under a running engine. A watcher thread notices (the socket reads
 EOF) even while the engine is idle: reads in flight end failed (vLLM recomputes or fails
@@ -62,9 +64,11 @@ class Finished:
 
 
 class WorkerSide:
-    def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, read_deadline_s: float) -> None:
+    def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, read_deadline_s: float,
+                 idle_wait_s: float = 0.0) -> None:
         self.socket_path, self.engine_id, self.rank, self.tp_size = socket_path, engine_id, rank, tp_size
-        self.read_deadline_s = read_deadline_s
+        self.read_deadline_s, self.idle_wait_s = read_deadline_s, idle_wait_s
+        self.idle_step = False  # this step schedules no tokens: results() may wait for a completion
         self.client: EngineClient | None = None
         self.geometry: Geometry | None = None
         self.buffers: list[SharedBuffer] = []
@@ -139,6 +143,7 @@ class WorkerSide:
             self._start(orders)
 
     def _start(self, orders: Orders) -> None:
+        self.idle_step = orders.idle
         now = time.monotonic()
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
@@ -175,16 +180,17 @@ class WorkerSide:
         """Finished transfers since the last step. Polls the daemon only while something is pending."""
         with self.lock:
             if self.reading or self.releasing or self.holds:
-                self._poll()
+                waiting = self.idle_step and not (self.finished.sending or self.finished.recving)
+                self._poll(self.idle_wait_s if waiting else 0.0)
             self._expire_orphaned_holds()
             finished, self.finished = self.finished, Finished()
             return finished
 
-    def _poll(self) -> None:
+    def _poll(self, wait_s: float) -> None:
         if self.client is None:
             return
         try:
-            completions = self.client.poll(0.0)
+            completions = self.client.poll(wait_s)
         except OSError as exc:
             self._lost(exc)
             return
