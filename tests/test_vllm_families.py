@@ -50,8 +50,9 @@ LEASE_S = 45.0  # a TP 2 rank on a busy 2-core machine has taken over 20 s to re
 FAMILIES = [
     # 3 sliding-window groups (window 64) + 1 full, one layer each, 2 KV heads x (K|V 2 x 64) x 32 tokens
     Family("gemma3", "float32", 32, True, True, "works", (2 * 32 * 128 * F32,) * 4),
-    # the full layer: 1 KV head of 128. At TP 2 vLLM gives the sliding groups blocks of 64 tokens: a
-    # block-size change inside CPU attention's sealed heads, refused by name (the decode recomputes)
+    # the full layer: 1 KV head of 128. At TP 2 vLLM gives the sliding groups blocks of 64 tokens:
+    # a block-size change inside CPU attention's heads, whose keys are transposed (a descriptor per
+    # key element and chunk): refused by name, the decode recomputes
     Family("gemma4", "float32", 32, True, True, "refused", (2 * 32 * 128 * F32,) * 3 + (32 * 256 * F32,)),
     # state group: 2 Mamba2 layers, conv (3 x 320) + SSM (8 x 32 x 16); attention: 2 layers
     Family("mamba2", "float32", 32, False, True, "works", (2 * (3 * 320 + 8 * 32 * 16) * F32, 2 * 2 * 32 * 128 * F32)),

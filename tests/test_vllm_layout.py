@@ -175,12 +175,11 @@ def test_token_major_refuses_heterogeneous_tp():
         plan_rank(d_geos[0], {0: p_geos[0]})
 
 
-@pytest.mark.parametrize("order,kv_split", [("LBHNC", ""), ("BLHNC", ""), ("LBHNC", "k_transposed"),
-                                            ("LBHNC", "k_rows")])
+@pytest.mark.parametrize("order,kv_split", [("LBHNC", ""), ("BLHNC", ""), ("LBHNC", "k_rows")])
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
 def test_block_size_translation_on_token_addressable_pages(order, kv_split, p_tp, d_tp):
     """The prefill's blocks of 4 tokens land in the decode's blocks of 8 (GPU backends' rows, and
-    CPU attention's keys: a lane per key element)."""
+    CPU attention's heads where its keys are rows)."""
     p_geos, p_ranks, p_logical = attention_world(order, 4, p_tp, 4, seed=3, blocks=12, kv_split=kv_split)
     d_geos, d_ranks, d_logical = attention_world(order, 4, d_tp, 8, seed=4, blocks=6, kv_split=kv_split)
     num_tokens = 21  # P: 6 blocks; D: 3 blocks
@@ -208,9 +207,10 @@ def test_kernel_pages_smaller_than_blocks(p_kernel, d_kernel):
     np.testing.assert_array_equal(d_ranks[0].read(), expected)
 
 
-def test_block_size_mismatch_on_sealed_heads_is_refused_naming_it():
-    p_geos, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, kv_split="sealed")
-    d_geos, _, _ = attention_world("LBHNC", 2, 1, 8, seed=2, kv_split="sealed")
+@pytest.mark.parametrize("kv_split", ["sealed", "k_transposed"])
+def test_block_size_mismatch_on_sealed_or_transposed_heads_is_refused_naming_it(kv_split):
+    p_geos, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, kv_split=kv_split)
+    d_geos, _, _ = attention_world("LBHNC", 2, 1, 8, seed=2, kv_split=kv_split)
     with pytest.raises(PlanError, match=r"block-size mismatch.*same block size"):
         plan_rank(d_geos[0], {0: p_geos[0]})
 
@@ -274,10 +274,22 @@ def test_a_window_that_leaves_needed_local_blocks_unfilled_is_refused_with_them(
     prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 0, 31, 32),), 19)
     order = handoff.read_order("d", prefill, groups, [[0, 41, 42, 43, 44]], 19, 0)
     assert "window" in order.refusal and order.local_blocks == [[41, 42, 43, 44]]
-    # a prefill window starting inside a larger local block: that block cannot be filled whole
-    order = handoff.read_order("d", RemotePrefill(prefill.remote, ((0, 0, 0, 31, 32),), 19, (4,)),
-                               [GroupInfo("attention", 8)], [[0, 51, 52]], 19, 0)
-    assert order.refusal and order.local_blocks == [[51, 52]]
+
+
+
+def test_a_window_starting_inside_a_larger_local_block_fills_it_from_there():
+    """Gemma4 at TP 2: the decode's window blocks hold 8 tokens, the prefill's 4. The prefill kept
+    tokens 12 on (the same window: 8..11 are outside it), so block 51 is read from token 12."""
+    order = handoff.read_order("d", RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 0, 31, 32),), 19,
+                                                  (4,)), [GroupInfo("attention", 8)], [[0, 51, 52]], 19, 0)
+    assert not order.refusal and (order.local_blocks, order.remote_blocks) == ([[51, 52]], [[31, 32]])
+    p_geos, p_ranks, p_logical = attention_world("LBHNC", 2, 1, 4, seed=5, blocks=40, kv_split="k_rows")
+    d_geos, d_ranks, d_logical = attention_world("LBHNC", 2, 1, 8, seed=6, blocks=60, kv_split="k_rows")
+    run_reads(p_geos, p_ranks, d_geos, d_ranks, RequestBlocks.of(19, order.local_blocks, order.remote_blocks))
+    expected = d_logical.copy()
+    for t in range(12, 20):  # the prefill's last block moves whole
+        expected[:, [51, 52][t // 8 - 1], :, t % 8] = p_logical[:, [31, 32][t // 4 - 3], :, t % 4]
+    np.testing.assert_array_equal(d_ranks[0].read(), expected)  # tokens 8..11 of block 51 untouched
 
 
 def test_lists_too_short_for_the_tokens_or_nothing_to_read_are_refused():

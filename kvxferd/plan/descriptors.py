@@ -168,13 +168,15 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
     if local_start >= end:
         empty = np.zeros(0, dtype=np.int64)
         return Chunks(empty, None, empty, None)
-    if remote_start > local_start:
-        raise PlanError(f"group {p.name}: remote blocks start at token {remote_start}, after the first "
-                        f"missing local token {local_start}")
+    if remote_start >= local_start + lt:
+        raise PlanError(f"group {p.name}: remote blocks start at token {remote_start}, past the first "
+                        f"listed local block (tokens {local_start} to {local_start + lt - 1})")
     if lt == rt and p.local_pages_per_block == p.remote_pages_per_block == 1:  # the common case
         skip = (local_start - remote_start) // rt
         return Chunks(local, None, remote[skip:skip + len(local)], None)
-    tokens = np.arange(local_start, end, c, dtype=np.int64)
+    # A sliding window held in smaller blocks there may start inside the first local block: its
+    # tokens before the window are read from nowhere (the window never looks at them).
+    tokens = np.arange(max(local_start, remote_start), end, c, dtype=np.int64)
     lpage, lphase = _pages(tokens - local_start, local, lt // p.local_pages_per_block, p.local_pages_per_block, c)
     rpage, rphase = _pages(tokens - remote_start, remote, rt // p.remote_pages_per_block,
                            p.remote_pages_per_block, c)

@@ -178,6 +178,12 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
         prefill SWA:  | null | null |  p2  |  p3  |        remote -> [p2, p3] (first held token 64)
         decode SWA:   | null |  d1  |  d2  |  d3  |        local  -> [d2, d3]
 
+    A window held in smaller blocks there may start inside a local block: that block is read
+    from the first held token on (its tokens before are outside the window on both sides).
+
+        prefill SWA:  | null |  p1  |  p2  |  p3  |        remote -> [p1, p2, p3]
+        decode SWA:   |      d0     |      d1     |        local  -> [d0, d1] (d0 from token 32)
+
     A read that cannot fill every local block it would be trusted for (the prefill's lists too
     short for the tokens, its window starting after a block this side needs, nothing left to
     read) comes back refused, naming why, with those local blocks: vLLM recomputes them (or
@@ -201,7 +207,7 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
             refusal = refusal or (f"the prefill names {len(held)} blocks of {rbs} tokens for {num_tokens} tokens; "
                                   f"{need} needed")
         first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
-        first = max(num_computed // bs, cdiv(first_held * rbs, bs))
+        first = max(num_computed // bs, first_held * rbs // bs)
         if any(b != NULL_BLOCK for b in ids[num_computed // bs:first]):  # needed here, not (wholly) held there
             refusal = refusal or (f"the prefill holds tokens from {first_held * rbs} on (its window); this side "
                                   f"needs blocks of {bs} tokens from {num_computed // bs * bs}")
