@@ -311,6 +311,9 @@ class Daemon:
             reply = self._dispatch(conn, item, received_at)
         except RequestError as exc:
             return P.Error(exc.code, str(exc))
+        except Exception as exc:  # each item is whole or absent: the batch's others keep their outcomes
+            log.error("batch item %s %r failed unexpectedly", type(item).__name__, item.request_id, exc_info=exc)
+            return P.Error("internal", f"{type(exc).__name__}: {exc}")
         assert isinstance(reply, P.Ok)
         return reply
 

@@ -88,6 +88,24 @@ class Early:
 
 
 RECENTLY_ENDED = 65536  # ended holds remembered, so an audit can tell "not yet" from "no more"
+# An audit names the rows one consumer read of a held request: each inside the request's blocks,
+# each byte once, so at most the hold's bytes; a held row (a page's span) splits into a row per
+# head, segment and chunk phase at most, far below this bound on rows.
+MAX_ROWS_PER_HELD_ROW = 4096
+
+
+def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
+    """A hold names, per cache group, distinct blocks that the registered geometry has."""
+    groups = er.geometry.groups
+    if len(block_ids) != len(groups):
+        raise RequestError("bad_request", f"block lists for {len(block_ids)} groups; the geometry has {len(groups)}")
+    for group, ids in zip(groups, block_ids):
+        bad = [b for b in ids if not 0 <= b < group.num_blocks]
+        if bad:
+            raise RequestError("bad_request", f"group {group.name}: block ids {bad[:8]} out of range "
+                                              f"0..{group.num_blocks - 1}")
+        if len(set(ids)) != len(ids):
+            raise RequestError("bad_request", f"group {group.name}: a block id appears twice in {ids[:16]}")
 
 
 class Holds:
@@ -116,11 +134,13 @@ class Holds:
         key = (er.engine_id, er.tp_rank, msg.request_id)
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids)
+            _check_block_ids(er, msg.block_ids)  # before anything is kept: a refused hold leaves nothing
+            digests = None
             if self._integrity_audit if msg.digest is None else msg.digest:
                 t0 = time.perf_counter()
-                held.digests = HeldDigests.of(er, msg.block_ids)
-                self._recorder.digested("hold", int(held.digests.rows[:, 1].sum()), time.perf_counter() - t0)
+                digests = HeldDigests.of(er, msg.block_ids)
+                self._recorder.digested("hold", int(digests.rows[:, 1].sum()), time.perf_counter() - t0)
+            held = self._held[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids, digests=digests)
             early = self._early.pop(key, None)
             if early is not None:
                 held.count, held.expected = early.count, early.expected
@@ -237,9 +257,18 @@ class Holds:
                                         "prefill daemon and the hold did not ask for them)")
         if len(req.rows) % 16:
             return hs.AuditReply(False, f"audit rows are {len(req.rows)} bytes, not whole (address, length) pairs")
+        rows = np.frombuffer(req.rows, "<i8").reshape(-1, 2)
+        held_bytes = int(held.digests.rows[:, 1].sum())
+        if len(rows) > len(held.digests.rows) * MAX_ROWS_PER_HELD_ROW:
+            return hs.AuditReply(False, f"audit of {len(rows)} rows for a request held in {len(held.digests.rows)}")
+        outside = integrity.outside_spans(held.digests.rows, rows)
+        if outside >= 0:  # a consumer may ask for the bytes of the blocks it read, nothing else
+            return hs.AuditReply(False, f"audit row {outside} ({int(rows[outside, 0]):#x}, {int(rows[outside, 1])} B) "
+                                        f"lies outside {where}'s blocks")
+        if sum(int(n) for n in rows[:, 1].tolist()) > held_bytes:  # Python ints: no wrap
+            return hs.AuditReply(False, f"audit rows cover more bytes than {where} holds ({held_bytes} B)")
         t0 = time.perf_counter()
         try:
-            rows = np.frombuffer(req.rows, "<i8").reshape(-1, 2)
             digests = integrity.digest_rows(held.engine.mappings, rows)
         except integrity.AuditError as exc:
             return hs.AuditReply(False, str(exc))

@@ -60,12 +60,31 @@ def _locate(mappings: Sequence[Mapping], rows: np.ndarray) -> tuple[np.ndarray, 
     order = np.argsort(bases)
     pos = np.searchsorted(bases[order], rows[:, 0], side="right") - 1
     which = order[np.clip(pos, 0, None)]
-    bad = (pos < 0) | (rows[:, 1] < 0) | (rows[:, 0] + rows[:, 1] > ends[which])
+    # Rows come off the wire: no sum that can wrap (a row (2**63 - 2, 3) must not pass as short).
+    # With pos >= 0 the address is at least a base, so end - address cannot wrap either.
+    with np.errstate(over="ignore"):
+        bad = (pos < 0) | (rows[:, 1] < 0) | (rows[:, 1] > ends[which] - rows[:, 0])
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise AuditError(f"row {i} (address {int(rows[i, 0]):#x}, {int(rows[i, 1])} B) is outside the "
                          f"engine's registered memory")
     return which, rows[:, 0] - bases[which]
+
+
+def outside_spans(spans: np.ndarray, rows: np.ndarray) -> int:
+    """The index of the first row not inside one of the (address, length) `spans` (joined where
+    they touch or overlap), or -1. Pure integer arithmetic that cannot wrap."""
+    if not len(rows):
+        return -1
+    order = np.argsort(spans[:, 0], kind="stable")
+    starts, ends = spans[order, 0], spans[order, 0] + spans[order, 1]  # spans are our own: no wrap
+    run_end = np.maximum.accumulate(ends)
+    new_run = np.concatenate(([True], starts[1:] > run_end[:-1]))
+    run_start, run_stop = starts[new_run], np.maximum.reduceat(ends, np.flatnonzero(new_run))
+    at = np.searchsorted(run_start, rows[:, 0], side="right") - 1
+    with np.errstate(over="ignore"):
+        bad = (at < 0) | (rows[:, 1] < 0) | (rows[:, 1] > run_stop[np.clip(at, 0, None)] - rows[:, 0])
+    return int(np.flatnonzero(bad)[0]) if bad.any() else -1
 
 
 def _host_words(m: Mapping) -> np.ndarray:

@@ -5,6 +5,7 @@ the daemon stays up and serves the next valid request."""
 import os
 import socket
 import struct
+import time
 
 import msgspec
 import numpy as np
@@ -235,6 +236,26 @@ def test_requests_for_unknown_engines_and_bad_values(cluster):
     assert e.code == "version"
 
 
+def test_holds_name_distinct_blocks_the_engine_has_and_a_batch_keeps_the_rest(cluster):
+    """A hold with an unknown or repeated block is refused and leaves nothing held (with digests
+    it once stayed held for ever); in a batch, the others keep their own outcomes."""
+    for ids, why in [([[64]], "out of range 0..63"), ([[3, 5, 3]], "appears twice"), ([[1], [2]], "groups")]:
+        e = call_error(cluster, P.Hold("decode", 0, "bad", 5.0, ids, digest=True), as_rank=0)
+        assert e.code == "bad_request" and why in str(e), e
+    with Client(cluster.daemons[1].socket) as client:
+        client.call(P.Attach("decode", 0, cluster.decode.tokens()[0]), P.Ok)
+        results = client.call(P.Batch([P.Hold("decode", 0, "b1", 0.5, [[1]], digest=True),
+                                        P.Hold("decode", 0, "b2", 0.5, [[2, 1 << 20]], digest=True),
+                                        P.Hold("decode", 0, "b3", 0.5, [[3]], digest=True)]), P.Results)
+    assert [type(r).__name__ for r in results.items] == ["Ok", "Error", "Ok"], results
+    held = {h.request for h in cluster.status(1).held}
+    assert "bad" not in held and "b2" not in held and {"b1", "b3"} <= held
+    deadline = time.monotonic() + 10  # the good ones end by their lease
+    while {h.request for h in cluster.status(1).held} & {"b1", "b3"} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not {h.request for h in cluster.status(1).held} & {"b1", "b2", "b3", "bad"}
+
+
 def test_block_ids_out_of_range_fail_the_request(cluster):
     blocks = cluster.prefill.prefill(1, 20, 1.0)
     cluster.decode.post_read(1, 20, cluster.remote(1), [[1000, 1001]], 0, 5.0)
@@ -268,7 +289,8 @@ def test_handshake_garbage(cluster):
 
 
 def test_audit_requests_out_of_bounds(cluster):
-    """Audits come from the network: rows outside the engine's memory, unknown requests, torn rows."""
+    """Audits come from the network: rows outside the request's blocks (wrapping int64 sums among
+    them, once a SIGSEGV), floods of rows, unknown requests, torn rows."""
     blocks = cluster.prefill.prefill(20, 40, 5.0, True)  # held with digests
     ctx = zmq.Context()
 
@@ -282,9 +304,11 @@ def test_audit_requests_out_of_bounds(cluster):
         return reply
 
     try:
-        for rows in ([[0, 64]], [[1 << 40, 8]], [[4096, -8]]):
+        for rows in ([[0, 64]], [[1 << 40, 8]], [[4096, -8]], [[2**63 - 2, 3]], [[16, 2**63 - 1]], [[-2**63, 8]]):
             reply = ask("req-20", np.array(rows, dtype="<i8").tobytes())
-            assert not reply.ok and "outside the engine's registered memory" in reply.reason, reply
+            assert not reply.ok and "lies outside request 'req-20'" in reply.reason, reply
+        flood = ask("req-20", np.ones((1 << 20, 2), dtype="<i8").tobytes())
+        assert not flood.ok and "rows for a request held in" in flood.reason, flood
         assert "not whole (address, length) pairs" in ask("req-20", b"\0" * 24).reason
         never = ask("req-nothing", b"")  # not held yet: a read may overtake its engine's hold
         assert not never.ok and never.retry and "is not held yet" in never.reason

@@ -46,7 +46,8 @@ def test_any_changed_word_or_swap_changes_the_digest():
 
 def test_rows_outside_the_memory_are_refused():
     m, _ = host_mapping(4096)
-    for row in ([m.address + 4000, 200], [m.address - 8, 8], [m.address, -1]):
+    for row in ([m.address + 4000, 200], [m.address - 8, 8], [m.address, -1], [2**63 - 2, 3], [m.address, 2**63 - 1],
+                [-2**63, 16]):  # the last three wrap an int64 sum
         with pytest.raises(integrity.AuditError, match="outside the engine's registered memory"):
             integrity.digest_rows([m], np.array([row], dtype=np.int64))
 
