@@ -3,6 +3,10 @@
     route(ref, local rank) -> handshake (once per peer, shared by every waiting read)
                            -> plan (per local rank) -> prepared lists (per remote rank) = Route
 
+A plan with more descriptors than PREPARED_DESCRIPTORS_MAX (block-size translation inside
+vLLM CPU attention's transposed keys: a descriptor per key element and chunk, ~19M for a 1 GB
+cache) is not prepared: its reads post the rows each request needs (as a posting lane does).
+
 A Route is everything a read needs to post: the reads component looks it up in `routes`
 (owned here, read there) and posts without a call into this module. A peer whose READs cannot
 be posted is retired: its routes leave `routes` at once, so the next read handshakes again (a
@@ -35,6 +39,7 @@ log = logging.getLogger("kvxferd")
 
 PeerKey = tuple[str, str, int]  # (remote engine id, side-channel host, port)
 RouteKey = tuple[PeerKey, EngineKey]
+PREPARED_DESCRIPTORS_MAX = 1 << 23  # local + remote, per remote rank: above, reads post explicit rows
 
 
 def peer_key(ref: P.RemoteRef) -> PeerKey:
@@ -71,11 +76,12 @@ class Peer:
 
 @dataclass(frozen=True)
 class Link:
-    """Prepared descriptor lists for one local rank reading one remote rank, and where the
-    remote rank's regions are (posting lanes compute a slice's rows from them)."""
+    """Prepared descriptor lists for one local rank reading one remote rank (None: too many to
+    prepare, reads post explicit rows), and where the remote rank's regions are (posting lanes
+    compute a slice's rows from them)."""
 
-    local: PreparedList
-    remote: PreparedList
+    local: PreparedList | None
+    remote: PreparedList | None
     remote_region_addr: np.ndarray
     remote_mem: MemType
     remote_device: int
@@ -185,8 +191,14 @@ class Peers:
             for rank, pp in plan.peers.items():
                 info = peer.ranks[rank]
                 t0 = time.perf_counter()
-                local = self._nixl.prep_local(local_descs(pp, er.region_addr, er.device), er.mem_type)
                 remote_addr = region_addresses(info.geometry, info.buffer_addrs)
+                if pp.num_local_descs + pp.num_remote_descs > PREPARED_DESCRIPTORS_MAX:
+                    links[rank] = Link(None, None, remote_addr, info.mem_type, info.device)
+                    log.info("engine %s rank %d <- %s rank %d: %d local / %d remote descriptors, too many to "
+                             "prepare; reads post the rows they need", er.engine_id, er.tp_rank, peer.engine_id,
+                             rank, pp.num_local_descs, pp.num_remote_descs)
+                    continue
+                local = self._nixl.prep_local(local_descs(pp, er.region_addr, er.device), er.mem_type)
                 try:
                     remote = self._nixl.prep_remote(peer.agent, remote_descs(pp, remote_addr, info.device),
                                                     info.mem_type)
@@ -246,8 +258,9 @@ class Peers:
 
     def _release(self, links: Iterable[Link]) -> None:
         for link in list(links):
-            self._nixl.release_dlist(link.local)
-            self._nixl.release_dlist(link.remote)
+            for handle in (link.local, link.remote):
+                if handle is not None:
+                    self._nixl.release_dlist(handle)
 
     def _remove_agent(self, peer: Peer) -> None:
         if peer.agent:

@@ -120,6 +120,12 @@ class Transfer:
                     self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
                                       split, on_sliced)
                     self.notify_after.append(notif)
+                elif link.local is None or link.remote is None:  # too many descriptors to prepare
+                    pp, er = plan.peers[rank], self.engine
+                    self.handles.append(nixl.read_rows(local_rows(pp, lids, er.region_addr, er.device), er.mem_type,
+                                                       remote_rows(pp, rids, link.remote_region_addr,
+                                                                   link.remote_device), link.remote_mem, route.agent))
+                    self.notify_after.append(notif)
                 elif self.audit:  # consumers are told once the bytes are checked
                     self.handles.append(nixl.read(link.local, lids, link.remote, rids, b""))
                     self.notify_after.append(notif)

@@ -294,13 +294,6 @@ def _pieces(gi: int, key: str, lvi: int, rvi: int, seg: Segment, rseg: Segment,
                             "with the same block size")
     if seg.lanes != rseg.lanes:
         raise PlanError(f"segment {key}: {seg.lanes} lanes per unit locally, {rseg.lanes} on the remote side")
-    if seg.lanes > 1 and not seg.tokens == rseg.tokens == chunk:
-        # Measured on a 1 GB CPU cache: 12.8M descriptors of 128 B per rank pair, prepared for
-        # tens of seconds on the daemon's loop. Translation stays for token-row layouts.
-        raise PlanError(f"segment {key}: block-size mismatch (local {seg.tokens}, remote {rseg.tokens} tokens "
-                        f"per page) inside units of {seg.lanes} lanes (vLLM's CPU attention keeps a head's keys "
-                        f"transposed) takes a descriptor per lane and chunk; run both engines with the same "
-                        "block size")
     local_at = seg.offset + (start - seg.unit_start) * seg.unit_stride
     remote_at = rseg.offset + (start - rseg.unit_start) * rseg.unit_stride
     units = range(stop - start)
