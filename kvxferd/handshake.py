@@ -119,6 +119,7 @@ _encoder = msgspec.msgpack.Encoder()
 def compat_fields(geo: Geometry) -> dict[str, str]:
     """What must agree between two engines for their caches to be exchangeable."""
     segments = sorted(f"{g.name}/{v.name}.{s.name}:{g.kind}:{s.total_units}x{s.token_bytes}:{s.layout}"
+                      + (f":{s.lanes}l{s.stride}s" if (s.lanes, s.stride) != (1, 0) else "")  # as daemons before
                       for g in geo.groups for v in g.views for s in v.segments)
     return {"protocol": str(HANDSHAKE_VERSION), "model": geo.model, "dtype": geo.dtype,
             "segments": ",".join(segments)}

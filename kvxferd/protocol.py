@@ -1,4 +1,4 @@
-"""Engine <-> daemon protocol (version 3): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (version 4): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """
@@ -12,8 +12,10 @@ from msgspec import Meta
 
 from .plan.geometry import Geometry
 
-PROTOCOL_VERSION = 3  # 2 added `batch`, 3 the completion doorbell; older clients are still served
-SUPPORTED_VERSIONS = (1, 2, 3)
+# 2 added `batch`, 3 the completion doorbell, 4 segment `lanes` and `stride` (a daemon that did not
+# know them would drop them and misread the memory: it refuses version 4); older clients are served
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).

@@ -188,7 +188,8 @@ def test_deadline_passes_mid_transfer_memory_quarantined():
         _, outcomes, local = read_outcome(c, 1, BIG_TOKENS, 0.002, remote=c.remote(1), blocks=blocks)
         assert all(o[0] == "failed" and "deadline" in o[2] and o[1] == local for o in outcomes), outcomes
         st = c.status(1)  # NIXL cannot cancel: the reads ran on, each keeping its rank's memory pinned
-        assert st.counters.quarantined == 4, st
+        posted = sum("memory quarantined" in o[2] for o in outcomes)  # (one failing before its post is not)
+        assert posted and st.counters.quarantined == posted, st
         assert sum(e.pinned for e in st.engines) == st.quarantined, st  # (the fastest may have ended already)
         wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined transfers to finish")
         assert all(e.pinned == 0 for e in c.status(1).engines)

@@ -168,6 +168,9 @@ def group_chunks(p: GroupPairing, num_tokens: int, local: np.ndarray, remote: np
     if local_start >= end:
         empty = np.zeros(0, dtype=np.int64)
         return Chunks(empty, None, empty, None)
+    if not len(remote) or remote_start >= end:
+        raise PlanError(f"group {p.name}: local blocks from token {local_start} but no remote block holds a token "
+                        f"before {num_tokens}")
     if remote_start >= local_start + lt:
         raise PlanError(f"group {p.name}: remote blocks start at token {remote_start}, past the first "
                         f"listed local block (tokens {local_start} to {local_start + lt - 1})")

@@ -49,7 +49,7 @@ def _group_info(spec: Any) -> GroupInfo:
         spec = next(iter(spec.kv_cache_specs.values()))
     if isinstance(spec, MambaSpec):
         return GroupInfo("state", spec.block_size, spec.num_speculative_blocks)
-    return GroupInfo("attention", spec.block_size)
+    return GroupInfo("attention", spec.block_size, window=getattr(spec, "sliding_window", None) or 0)
 
 
 class KvxferdMetadata(KVConnectorMetadata):

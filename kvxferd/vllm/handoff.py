@@ -73,6 +73,7 @@ class GroupInfo(msgspec.Struct, frozen=True, array_like=True):
     kind: str  # "attention" or "state"
     block_size: int  # tokens per block
     scratch_blocks: int = 0  # state: speculative-decoding blocks after the state (MambaSpec.num_speculative_blocks)
+    window: int = 0  # attention: the sliding window in tokens (0: full attention)
 
 
 # Bounds on what a hand-off may name, checked in arbitrary precision before use.
@@ -179,7 +180,8 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
         decode SWA:   | null |  d1  |  d2  |  d3  |        local  -> [d2, d3]
 
     A window held in smaller blocks there may start inside a local block: that block is read
-    from the first held token on (its tokens before are outside the window on both sides).
+    from the first held token on, if every token before it is outside the window: before
+    num_tokens - window + 1, the first token vLLM's own sliding-window manager keeps.
 
         prefill SWA:  | null |  p1  |  p2  |  p3  |        remote -> [p1, p2, p3]
         decode SWA:   |      d0     |      d1     |        local  -> [d0, d1] (d0 from token 32)
@@ -207,13 +209,17 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
             refusal = refusal or (f"the prefill names {len(held)} blocks of {rbs} tokens for {num_tokens} tokens; "
                                   f"{need} needed")
         first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
-        first = max(num_computed // bs, first_held * rbs // bs)
+        from_token = first_held * rbs
+        outside_window = info.window and from_token <= max(0, num_tokens - info.window + 1)
+        first = max(num_computed // bs, from_token // bs if outside_window else cdiv(from_token, bs))
         if any(b != NULL_BLOCK for b in ids[num_computed // bs:first]):  # needed here, not (wholly) held there
             refusal = refusal or (f"the prefill holds tokens from {first_held * rbs} on (its window); this side "
                                   f"needs blocks of {bs} tokens from {num_computed // bs * bs}")
         wanted = list(ids[first:end])
         while wanted and wanted[0] == NULL_BLOCK:  # tokens this side's window no longer needs
             wanted.pop(0)
+        if wanted and first_held == len(held):
+            refusal = refusal or f"the prefill holds no block of a group this side needs {len(wanted)} blocks of"
         local.append(wanted)
         remote.append(held[first_held:])
     if not refusal and num_tokens > num_computed and not any(local):

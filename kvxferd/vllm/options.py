@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -17,7 +17,7 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A step that schedules no tokens while transfers are pending (vLLM steps on until they end)
     # waits up to this long for the daemon's next completion instead of spinning: an engine
     # idle but for transfers leaves its cores to others; a new request waits at most this long.
-    idle_wait_ms: float = 0.0
+    idle_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0  # (the worker's lock is held meanwhile)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:

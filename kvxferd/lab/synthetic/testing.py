@@ -179,14 +179,16 @@ def locate(geo: Geometry, buffer: int, offset: int) -> str:
                     continue
                 page, inpage = divmod(rel, view.page_stride)
                 for seg in view.segments:
-                    if seg.offset <= inpage < seg.offset + seg.nbytes:
+                    if seg.offset <= inpage < seg.offset + seg.extent:
                         x = inpage - seg.offset
                         if seg.layout == TOKEN_MAJOR:
                             tok, rest = divmod(x, seg.local_units * seg.token_bytes)
                             unit = rest // seg.token_bytes
                         else:
-                            unit, rest = divmod(x, seg.unit_bytes)
-                            tok = rest // seg.token_bytes
+                            unit, rest = divmod(x, seg.unit_stride)
+                            if rest >= seg.unit_bytes:
+                                continue  # between this segment's units: another segment's
+                            tok = rest % seg.lane_bytes // seg.token_bytes
                         return (f"group {group.name} view {view.name} page {page} segment {seg.name} "
                                 f"unit {seg.unit_start + unit} token {tok}")
                 return f"region {ri} page {page} byte {inpage} (padding)"
