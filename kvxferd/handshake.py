@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 from msgspec import Meta
 
-from .plan.geometry import Geometry
+from .plan.geometry import Geometry, Segment
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
 HANDSHAKE_VERSION = 2
@@ -119,10 +119,18 @@ _encoder = msgspec.msgpack.Encoder()
 def compat_fields(geo: Geometry) -> dict[str, str]:
     """What must agree between two engines for their caches to be exchangeable."""
     segments = sorted(f"{g.name}/{v.name}.{s.name}:{g.kind}:{s.total_units}x{s.token_bytes}:{s.layout}"
-                      + (f":{s.lanes}l{s.stride}s" if (s.lanes, s.stride) != (1, 0) else "")  # as daemons before
-                      for g in geo.groups for v in g.views for s in v.segments)
+                      + _spacing(s) for g in geo.groups for v in g.views for s in v.segments)
     return {"protocol": str(HANDSHAKE_VERSION), "model": geo.model, "dtype": geo.dtype,
             "segments": ",".join(segments)}
+
+
+def _spacing(s: Segment) -> str:
+    """Lanes, and whether units are spaced apart: nothing for plain segments, so their hash is
+    what daemons before protocol 4 compute; a daemon that drops the fields never matches. The
+    stride's value depends on the page (block size), which may differ: only its presence counts."""
+    if (s.lanes, s.stride) == (1, 0):
+        return ""
+    return f":{s.lanes}l" + (":strided" if s.stride else "")
 
 
 def compat_hash(geo: Geometry) -> str:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from scenario import execute
 
+from kvxferd.handshake import compat_fields, compat_hash
 from kvxferd.plan.descriptors import RequestBlocks
-from kvxferd.plan.geometry import GeometryError, shard
+from kvxferd.plan.geometry import Geometry, GeometryError, shard
 from kvxferd.plan.planner import PlanError, plan_rank, targets
 from kvxferd.vllm import handoff, layout
 from kvxferd.vllm.handoff import GroupInfo, RemotePrefill
@@ -496,3 +498,21 @@ def test_misread_sharing_and_empty_groups_are_refused_at_start():
         layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec], [cache, other_shape])
     with pytest.raises(GeometryError, match=r"cache group 1 .* has no layers"):
         layout.geometry("m", "bf16", 1, 0, [rank.buffer.nbytes], [spec, spec], [cache])
+
+
+def test_the_compatibility_hash_tells_lanes_and_spacing_but_not_the_page():
+    """Segments with lanes or spaced units hash apart from what a daemon before protocol 4 reads
+    of them (it drops both fields); plain segments hash as before; the spacing's value (it
+    follows the block size) does not count."""
+    tp1, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1, kv_split="k_transposed")
+    tp2, _, _ = attention_world("LBHNC", 2, 2, 8, seed=1, kv_split="k_transposed")
+    assert compat_hash(tp1[0]) == compat_hash(tp2[1])
+    plain = msgspec.to_builtins(tp1[0])
+    for group in plain["groups"]:
+        for view in group["views"]:
+            for seg in view["segments"]:
+                seg.pop("lanes", None), seg.pop("stride", None)
+    dropped = msgspec.convert(plain, Geometry)
+    assert compat_hash(dropped) != compat_hash(tp1[0])
+    gpu, _, _ = attention_world("LBHNC", 2, 1, 4, seed=1)
+    assert all(s.endswith(":unit_major") for s in compat_fields(gpu[0])["segments"].split(","))  # as before
