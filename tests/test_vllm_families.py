@@ -52,8 +52,9 @@ FAMILIES = [
     Family("gemma3", "float32", 32, True, True, True, (2 * 32 * 128 * F32,) * 4),
     # the full layer: 1 KV head of 128. At TP 2 vLLM gives the sliding groups blocks of 64 tokens:
     # translated inside CPU attention's heads (keys a lane per element: too many descriptors to
-    # prepare, so each read posts its rows)
-    Family("gemma4", "float32", 32, True, True, True, (2 * 32 * 128 * F32,) * 3 + (32 * 256 * F32,)),
+    # prepare, so each read posts its rows). Prefix caching off: the TP 2 decode's first window
+    # block is filled from inside, which a decode caching prefixes refuses (docs/vllm.md)
+    Family("gemma4", "float32", 32, False, True, True, (2 * 32 * 128 * F32,) * 3 + (32 * 256 * F32,)),
     # state group: 2 Mamba2 layers, conv (3 x 320) + SSM (8 x 32 x 16); attention: 2 layers
     Family("mamba2", "float32", 32, False, True, True, (2 * (3 * 320 + 8 * 32 * 16) * F32, 2 * 2 * 32 * 128 * F32)),
     Family("gdn", "bfloat16", 32, False, False, True, None),

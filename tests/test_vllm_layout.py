@@ -281,16 +281,17 @@ def test_a_window_that_leaves_needed_local_blocks_unfilled_is_refused_with_them(
 
 def test_a_window_starting_inside_a_larger_local_block_fills_it_from_there():
     """Gemma4 at TP 2: the decode's window blocks hold 8 tokens, the prefill's 4. With a window of
-    8, tokens 12 on are kept (vLLM keeps 19 - 8 + 1 on), so block 51 is read from token 12; a full
-    attention group, or a wider window, is refused (tokens 8..11 would be trusted unread)."""
+    7, no query of a 19-token prompt (vLLM recomputes token 18) looks before token 12, so block 51
+    is read from token 12; a full attention group, a wider window (token 11 would be trusted
+    unread), or a decode that caches prefixes (window 0 from the connector) is refused."""
     prefill = RemotePrefill(handoff.RemoteRef("p", "h", 1, 1, "r"), ((0, 0, 0, 31, 32),), 19, (4,))
-    order = handoff.read_order("d", prefill, [GroupInfo("attention", 8, window=8)], [[0, 51, 52]], 19, 0)
+    order = handoff.read_order("d", prefill, [GroupInfo("attention", 8, window=7)], [[0, 51, 52]], 19, 0)
     assert not order.refusal and (order.local_blocks, order.remote_blocks) == ([[51, 52]], [[31, 32]])
-    for group in (GroupInfo("attention", 8), GroupInfo("attention", 8, window=9)):
+    for group in (GroupInfo("attention", 8), GroupInfo("attention", 8, window=8)):
         refused = handoff.read_order("d", prefill, [group], [[0, 51, 52]], 19, 0)
         assert "window" in refused.refusal and refused.local_blocks == [[51, 52]], group
     nothing = handoff.read_order("d", RemotePrefill(prefill.remote, ((0, 0, 0, 0, 0),), 19, (4,)),
-                                 [GroupInfo("attention", 8, window=8)], [[0, 0, 52]], 19, 0)
+                                 [GroupInfo("attention", 8, window=7)], [[0, 0, 52]], 19, 0)
     assert nothing.refusal and nothing.local_blocks == [[52]]  # no block held: none of it is read
     p_geos, p_ranks, p_logical = attention_world("LBHNC", 2, 1, 4, seed=5, blocks=40, kv_split="k_transposed")
     d_geos, d_ranks, d_logical = attention_world("LBHNC", 2, 1, 8, seed=6, blocks=60, kv_split="k_transposed")

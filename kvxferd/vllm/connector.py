@@ -44,12 +44,15 @@ if TYPE_CHECKING:
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
-def _group_info(spec: Any) -> GroupInfo:
+def _group_info(spec: Any, prefix_caching: bool) -> GroupInfo:
     if isinstance(spec, UniformTypeKVCacheSpecs):  # one spec type in per-layer detail
         spec = next(iter(spec.kv_cache_specs.values()))
     if isinstance(spec, MambaSpec):
         return GroupInfo("state", spec.block_size, spec.num_speculative_blocks)
-    return GroupInfo("attention", spec.block_size, window=getattr(spec, "sliding_window", None) or 0)
+    # A window block filled from inside would be cached as whole: a later, shorter prompt with the
+    # same prefix would attend to its unwritten tokens. Only a decode without a prefix cache may.
+    window = 0 if prefix_caching else getattr(spec, "sliding_window", None) or 0
+    return GroupInfo("attention", spec.block_size, window=window)
 
 
 class KvxferdMetadata(KVConnectorMetadata):
@@ -75,7 +78,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
-            groups = [_group_info(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups] \
+            caching = bool(vllm_config.cache_config.enable_prefix_caching)
+            groups = [_group_info(g.kv_cache_spec, caching) for g in kv_cache_config.kv_cache_groups] \
                 if kv_cache_config is not None else [GroupInfo("attention", vllm_config.cache_config.block_size)]
             self.scheduler = SchedulerSide(self.engine_id, self.tp_size, groups, self.options.lease_s,
                                            self._side_channel)

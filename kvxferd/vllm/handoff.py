@@ -73,7 +73,9 @@ class GroupInfo(msgspec.Struct, frozen=True, array_like=True):
     kind: str  # "attention" or "state"
     block_size: int  # tokens per block
     scratch_blocks: int = 0  # state: speculative-decoding blocks after the state (MambaSpec.num_speculative_blocks)
-    window: int = 0  # attention: the sliding window in tokens (0: full attention)
+    # attention: the sliding window in tokens, where a window block may be filled from inside
+    # (0: full attention, or a decode caching prefixes: it would cache the block as whole)
+    window: int = 0
 
 
 # Bounds on what a hand-off may name, checked in arbitrary precision before use.
@@ -180,8 +182,9 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
         decode SWA:   | null |  d1  |  d2  |  d3  |        local  -> [d2, d3]
 
     A window held in smaller blocks there may start inside a local block: that block is read
-    from the first held token on, if every token before it is outside the window: before
-    num_tokens - window + 1, the first token vLLM's own sliding-window manager keeps.
+    from the first held token on, if every token before it is outside the window of every query
+    this request makes (vLLM recomputes the prompt's last token: from num_tokens - window on),
+    and only on a decode that caches no prefixes (`GroupInfo.window`).
 
         prefill SWA:  | null |  p1  |  p2  |  p3  |        remote -> [p1, p2, p3]
         decode SWA:   |      d0     |      d1     |        local  -> [d0, d1] (d0 from token 32)
@@ -210,7 +213,7 @@ def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo],
                                   f"{need} needed")
         first_held = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
         from_token = first_held * rbs
-        outside_window = info.window and from_token <= max(0, num_tokens - info.window + 1)
+        outside_window = info.window and from_token <= max(0, num_tokens - info.window)
         first = max(num_computed // bs, from_token // bs if outside_window else cdiv(from_token, bs))
         if any(b != NULL_BLOCK for b in ids[num_computed // bs:first]):  # needed here, not (wholly) held there
             refusal = refusal or (f"the prefill holds tokens from {first_held * rbs} on (its window); this side "
