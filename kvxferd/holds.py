@@ -268,7 +268,8 @@ class Holds:
         if outside >= 0:  # a consumer may ask for the bytes of the blocks it read, nothing else
             return hs.AuditReply(False, f"audit row {outside} ({int(rows[outside, 0]):#x}, {int(rows[outside, 1])} B) "
                                         f"lies outside {where}'s blocks")
-        if sum(int(n) for n in rows[:, 1].tolist()) > held_bytes:  # Python ints: no wrap
+        asked_bytes = sum(int(n) for n in rows[:, 1].tolist())  # Python ints: no wrap
+        if asked_bytes > held_bytes:
             return hs.AuditReply(False, f"audit rows cover more bytes than {where} holds ({held_bytes} B)")
         t0 = time.perf_counter()
         try:
@@ -276,8 +277,7 @@ class Holds:
         except integrity.AuditError as exc:
             return hs.AuditReply(False, str(exc))
         reused = held.digests.reused(held.engine, len(held.engine.geometry.groups))
-        walked = int(held.digests.rows[:, 1].sum()) + int(rows[:, 1].sum())  # rows read, held blocks
-        self._recorder.digested("audit", walked, time.perf_counter() - t0)
+        self._recorder.digested("audit", held_bytes + asked_bytes, time.perf_counter() - t0)  # read + held
         return hs.AuditReply(True, digests=digests.astype("<u8").tobytes(), reused=reused)
 
     def status(self, now: float, limit: int) -> list[P.HoldStatus]:

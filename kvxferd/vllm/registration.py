@@ -6,6 +6,7 @@ and hands the pure `layout.geometry` plain numbers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -68,6 +69,7 @@ def group_spec(spec: Any, layer_names: list[str], model_config: Any, tp_size: in
                                "attention (full, sliding-window, MLA) and Mamba/GDN state groups")
 
 
+@functools.cache  # once per kind of page: group_spec asks per group, and per layer of a uniform-spec group
 def cpu_kv_split(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
     """How vLLM's CPU attention orders a head's keys (`layout.KV_SPLITS`), found by writing known
     keys and values into one page with the kernel itself: its order depends on the ISA it picks."""
