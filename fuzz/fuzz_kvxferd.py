@@ -15,6 +15,10 @@ Targets (each must only return or raise the documented error; anything else is a
                   another TP size, indexed (ids in bounds)
     audit_rows    rows an audit names, digested in place     -> AuditError (a bad row must
                   (a wrong bound would read outside memory)     never be read: that crashes)
+    audit         a whole audit request's rows against a      -> a refusal, or one digest per
+                  held request (bounds, bytes, unaligned)       row (never a read outside it)
+    plan_budget   peers of any page size over caches of up    -> PlanError, GeometryError, or
+                  to 2^31 blocks: counted, never built          counts that are whole and >= 0
 
 The `cov`/`ft` columns count instrumented Python edges and features; msgspec's decoders are C,
 which atheris does not see, so `request` and `side_channel` mutate their seeds without coverage
@@ -58,7 +62,7 @@ def fuzz_request(data: bytes) -> None:
 
 
 def fuzz_side_channel(data: bytes) -> None:
-    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder):
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder):
         try:
             decoder.decode(data)
         except DECODE_ERRORS:
@@ -143,6 +147,69 @@ def fuzz_audit_rows(data: bytes) -> None:
         pass
 
 
+def _held_world() -> tuple[object, object, list[list[int]]]:
+    """A tiny registered rank over numpy memory and a hold of some of its blocks."""
+    from types import SimpleNamespace
+
+    from kvxferd.holds import HeldDigests
+    from kvxferd.plan.descriptors import region_addresses
+
+    geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=8, layers=1, block_size=4), 1, 0)
+    memory = np.arange(geo.buffers[0], dtype=np.uint64).astype(np.uint8)
+    mapping = Mapping("DRAM", memory.ctypes.data, geo.buffers[0], 0, memory)
+    er = SimpleNamespace(geometry=geo, mappings=[mapping], region_addr=region_addresses(geo, [mapping.address]))
+    held = [[1, 3, 4]]
+    return er, HeldDigests.of(er, held), held  # type: ignore[arg-type]
+
+
+_HELD = None
+
+
+def fuzz_audit(data: bytes) -> None:
+    global _HELD
+    from kvxferd.holds import _audit_rows
+
+    if _HELD is None:
+        _HELD = _held_world()
+    er, when_held, _ = _HELD
+    fdp = atheris.FuzzedDataProvider(data)
+    spans = when_held.rows  # type: ignore[attr-defined]
+    rows = []
+    for _ in range(fdp.ConsumeIntInRange(0, 24)):
+        if fdp.ConsumeBool():  # near a held row: the edges are where bounds go wrong
+            a, n = spans[fdp.ConsumeIntInRange(0, len(spans) - 1)]
+            rows.append((int(a) + fdp.ConsumeIntInRange(-16, int(n) + 16), fdp.ConsumeIntInRange(-16, int(n) + 16)))
+        else:
+            rows.append((fdp.ConsumeIntInRange(-(1 << 63), (1 << 63) - 1),
+                         fdp.ConsumeIntInRange(-(1 << 63), (1 << 63) - 1)))
+    raw = np.array(rows, dtype="<i8").reshape(-1, 2).tobytes()
+    reply, nbytes = _audit_rows(er, when_held, raw, "request r")  # type: ignore[arg-type]
+    if reply.ok:
+        assert len(reply.digests) == 8 * len(rows) and nbytes >= 0
+
+
+def fuzz_plan_budget(data: bytes) -> None:
+    from kvxferd.peers import over_budget
+
+    fdp = atheris.FuzzedDataProvider(data)
+    name = PRESET_NAMES[fdp.ConsumeIntInRange(0, len(PRESET_NAMES) - 1)]
+    local_tp, remote_tp = (1 << fdp.ConsumeIntInRange(0, 3)), (1 << fdp.ConsumeIntInRange(0, 3))
+    try:
+        local = build(msgspec.structs.replace(PRESETS[name], num_blocks=fdp.ConsumeIntInRange(1, 1 << 16),
+                                              block_size=1 << fdp.ConsumeIntInRange(0, 8)), local_tp, 0)
+        remote_shape = msgspec.structs.replace(PRESETS[name], num_blocks=fdp.ConsumeIntInRange(1, (1 << 31) - 1),
+                                               block_size=1 << fdp.ConsumeIntInRange(0, 8))
+        remotes = {r: build(remote_shape, remote_tp, r) for r in range(remote_tp)}
+        plan = plan_rank(validate(local), {r: validate(g) for r, g in remotes.items()})
+    except (GeometryError, PlanError, ValueError):
+        return
+    for pp in plan.peers.values():
+        assert int(pp.num_local_descs) >= 0 and int(pp.num_remote_descs) >= 0, "a descriptor count wrapped"
+    budget = fdp.ConsumeIntInRange(1, 1 << 40)
+    total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
+    assert bool(over_budget(plan, budget)) == (total > budget)
+
+
 def seeds(target: str) -> list[bytes]:
     """Valid inputs to start from: mutations of real messages reach deeper than random bytes."""
     enc = msgspec.msgpack.encode
@@ -159,12 +226,14 @@ def seeds(target: str) -> list[bytes]:
                 enc(hs.AuditRequest(hs.HANDSHAKE_VERSION, "prefill", 0, "r", np.arange(4, dtype="<i8").tobytes())),
                 enc(hs.HandshakeReply(True, agent="a", metadata=b"m", ranks=[hs.RankInfo(0, 1, "h", geo, [4096])])),
                 enc(hs.AuditReply(True, digests=b"\0" * 16, reused=[[1]])),
+                enc(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill")), enc(hs.ProbeReply(True, epoch="e")),
                 enc(hs.Notification("prefill", 0, "r", 2))]
     return []
 
 
 TARGETS = {"request": fuzz_request, "side_channel": fuzz_side_channel, "frames": fuzz_frames,
-           "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows}
+           "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows, "audit": fuzz_audit,
+           "plan_budget": fuzz_plan_budget}
 
 
 def run_all(seconds: int) -> None:

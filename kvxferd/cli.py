@@ -108,13 +108,19 @@ app.add_typer(keys_app, name="keys")
 
 @keys_app.command("generate")
 def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAME.key and NAME.key_secret."),
-                  name: str = typer.Option("kvxferd")) -> None:
-    """Create a CurveZMQ keypair (set curve_secret_key_file / curve_authorized_keys_dir to use it)."""
-    from .handshake import generate_keys
+                  name: str = typer.Option("kvxferd"),
+                  force: bool = typer.Option(False, "--force", help="Replace an existing keypair of that name.")
+                  ) -> None:
+    """Create a CurveZMQ keypair (set curve_secret_key_file / curve_authorized_keys_dir to use it).
 
-    public, secret = generate_keys(str(directory), name)
+    An existing keypair is never overwritten unless --force is given."""
+    from .handshake import KeysExist, generate_keys
+
+    try:
+        public, secret = generate_keys(str(directory), name, force)
+    except KeysExist as exc:
+        fail(str(exc))
     typer.echo(f"public key: {public}\nsecret key: {secret} (keep it private: mode 0600)")
-    Path(secret).chmod(0o600)
 
 
 @bench_app.command("plan")
@@ -156,6 +162,19 @@ def bench_control(
 
     rows = control.run(requests=requests)
     typer.echo(json.dumps(rows, indent=2) if as_json else control.render(rows))
+
+
+@bench_app.command("leases")
+def bench_leases(
+    as_json: bool = typer.Option(False, "--json"),
+    requests: int = typer.Option(1000, help="Reads per round and mode."),
+    rounds: int = typer.Option(3, help="Alternating rounds of the three modes; medians over all."),
+) -> None:
+    """What fail-closed reads cost: a 16-block read's latency with lease confirmation off and on."""
+    from .benchmarks import control
+
+    rows = control.run_leases(requests, rounds)
+    typer.echo(json.dumps(rows, indent=2) if as_json else control.render_leases(rows))
 
 
 @bench_app.command("step")
@@ -248,17 +267,31 @@ def serve(
     curve_secret_key: str | None = typer.Option(None, "--curve-secret-key", help="CurveZMQ keypair file."),
     curve_authorized_keys: str | None = typer.Option(None, "--curve-authorized-keys",
                                                         help="Directory of peers' public keys."),
+    side_channel_insecure: bool | None = typer.Option(
+        None, "--side-channel-insecure", help="Serve the side channel beyond loopback without CurveZMQ keys "
+        "(any host that reaches it can read held KV blocks)."),
     allowed_uid: list[int] | None = typer.Option(None, "--allowed-uid", help="SO_PEERCRED allow-list."),
+    confirm_leases: bool | None = typer.Option(
+        None, "--confirm-leases/--no-confirm-leases",
+        help="Report a read received only once the prefill daemon vouched its holds lived through it."),
+    lease_renewal: bool | None = typer.Option(
+        None, "--lease-renewal/--no-lease-renewal",
+        help="Keep prefill holds alive while a decode engine expects or reads them."),
+    claim_s: float | None = typer.Option(None, "--claim-s", help="Seconds each claim keeps a prefill hold alive."),
+    max_lease_s: float | None = typer.Option(None, "--max-lease-s",
+                                             help="Longest lease; longest a claim keeps a hold."),
     name: str | None = typer.Option(None, "--name", help="NIXL agent name prefix."),
     log_format: str | None = typer.Option(None, "--log-format", help="text or json."),
     log_level: str | None = typer.Option(None, "--log-level"),
 ) -> None:
     """Run the daemon (configuration: file < KVXFERD_* environment < flags)."""
     import asyncio
+    import logging
 
     from . import logs
-    from .config import ConfigError, load
+    from .config import ConfigError, check_curve_files, check_side_channel, load
     from .daemon import run
+    from .sockdir import SocketDirError
 
     try:
         cfg = load(str(config) if config else None, socket_path=socket, socket_mode=socket_mode,
@@ -267,17 +300,24 @@ def serve(
                    backends=backend or None, handshake_timeout_s=handshake_timeout, name=name,
                    integrity_audit=integrity_audit,
                    curve_secret_key_file=curve_secret_key, curve_authorized_keys_dir=curve_authorized_keys,
-                   allowed_uids=allowed_uid or None,
+                   side_channel_insecure=side_channel_insecure, allowed_uids=allowed_uid or None,
                    ucx=dict(kv.split("=", 1) for kv in ucx) if ucx else None,
-                   log_format=log_format, log_level=log_level)
+                   confirm_leases=confirm_leases, lease_renewal=lease_renewal, claim_s=claim_s,
+                   max_lease_s=max_lease_s, log_format=log_format, log_level=log_level)
+        insecure = check_side_channel(cfg)  # beyond loopback: Curve keys, or the operator said so
+        check_curve_files(cfg)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     logs.setup(cfg.log_format, cfg.log_level)
+    if insecure:
+        logging.getLogger("kvxferd").warning(insecure)
     try:
         import uvloop
         uvloop.run(run(cfg))
     except ImportError:  # pragma: no cover
         asyncio.run(run(cfg))
+    except SocketDirError as exc:  # the socket's directory breaks its rule (kvxferd/sockdir.py)
+        fail(str(exc))
 
 
 @app.command()
@@ -290,6 +330,7 @@ def status(
     import time
 
     from .client import Client, DaemonError
+    from .logs import escape
     from .status import render
 
     while True:
@@ -297,7 +338,8 @@ def status(
             with Client(socket, timeout=5, client="kvxferd status") as c:
                 st = c.status()
         except (ConnectionError, DaemonError, OSError) as exc:
-            fail(f"{exc}\n  is the daemon running? start it with `kvxferd serve --socket {socket}`")
+            fail(f"{escape(str(exc))}\n  is the daemon running? start it with `kvxferd serve --socket {socket}`")
+        # Text is escaped for the terminal (strings come from engines and peers); JSON escapes itself.
         text = json.dumps(msgspec.to_builtins(st), indent=2) if as_json else render(st)
         if watch > 0:
             typer.echo("\x1b[2J\x1b[H" + text)
@@ -315,11 +357,21 @@ def proxy(
     host: str = typer.Option("127.0.0.1", "--host", help="Address clients connect to."),
     port: int = typer.Option(8000, "--port"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="KVXFERD_PROXY_API_KEY",
-                                          help="Bearer key sent to the upstreams (default: forward the "
-                                               "client's Authorization header)."),
+                                       help="Key clients must send (Authorization: Bearer KEY) on every route "
+                                            "but /health; never sent upstream. Default: clients unchecked."),
+    upstream_api_key: str | None = typer.Option(None, "--upstream-api-key", envvar="KVXFERD_PROXY_UPSTREAM_API_KEY",
+                                                help="Bearer key sent to the vLLM servers (their --api-key). "
+                                                     "Default: none."),
+    max_concurrency: int = typer.Option(1024, "--max-concurrency", min=1,
+                                        help="Requests in flight; past it clients get 503 with Retry-After."),
+    max_body_mib: float = typer.Option(4.0, "--max-body-mib", min=0.001,
+                                       help="Largest request body, in MiB; larger ones get 413."),
     connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect to an upstream."),
-    read_timeout: float = typer.Option(600.0, "--read-timeout",
-                                       help="Longest silence from an upstream, in seconds (covers a long prefill)."),
+    prefill_timeout: float = typer.Option(300.0, "--prefill-timeout",
+                                          help="Seconds for the whole prefill hop; past it, 504."),
+    decode_timeout: float = typer.Option(1800.0, "--decode-timeout",
+                                         help="Seconds for the whole decode hop, streaming included; 0: no limit."),
+    read_timeout: float = typer.Option(600.0, "--read-timeout", help="Longest silence from an upstream, in seconds."),
     health_timeout: float = typer.Option(2.0, "--health-timeout", help="Seconds per upstream /health check."),
     log_format: str = typer.Option("text", "--log-format", help="text or json."),
     log_level: str = typer.Option("info", "--log-level", help="debug logs every request with its timings."),
@@ -330,16 +382,18 @@ def proxy(
     except ImportError:
         fail("`kvxferd proxy` needs aiohttp: pip install 'kvxferd[proxy]'")
     from . import logs
-    from .proxy import Router, run
+    from .proxy import make_app, run
 
-    try:
-        Router(prefill, decode)  # bad URLs fail here, before logging starts
+    try:  # bad URLs and values fail here, before logging starts
+        server = make_app(prefill, decode, api_key=api_key, upstream_api_key=upstream_api_key,
+                          max_concurrency=max_concurrency, max_body_bytes=int(max_body_mib * 2**20),
+                          connect_timeout=connect_timeout, prefill_timeout=prefill_timeout,
+                          decode_timeout=decode_timeout, read_timeout=read_timeout, health_timeout=health_timeout)
     except ValueError as exc:
         fail(str(exc))
     logs.setup(log_format, log_level)
     try:
-        run(host, port, prefill, decode, api_key=api_key, connect_timeout=connect_timeout,
-            read_timeout=read_timeout, health_timeout=health_timeout)
+        run(server, host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc}")
 

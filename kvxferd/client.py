@@ -16,8 +16,10 @@ import array
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
+
+import msgspec
 
 from . import protocol as P
 from .plan.geometry import Geometry
@@ -86,15 +88,18 @@ class Client:
             pass  # the daemon closed first; a refusal it sent before closing is still readable
         if timeout is not None:
             self.sock.settimeout(timeout)
-        return _reply(self._recv(), expect)
+        reply = _reply(self._recv(), expect)
+        if expect is not P.Registered:
+            self.reader.close()  # fds only come with a registration (its doorbell)
+        return reply
 
     def _recv(self) -> bytes:
         frames = self.reader.feed(b"")
-        while not frames:
-            data = self.sock.recv(1 << 16)
+        while not frames:  # recvmsg: a reply may bring fds (a doorbell), kept in self.reader.fds
+            data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize))
             if not data:
                 raise ConnectionError("daemon closed the connection")
-            frames = self.reader.feed(data)
+            frames = self.reader.feed(data, anc)
         if len(frames) > 1:
             raise FrameError("daemon sent more than one reply")
         return frames[0]
@@ -171,7 +176,8 @@ class Requests:
 
         Host memory: `shm_fds`, one memfd per geometry buffer (sizes from the geometry). GPU
         memory: `memory` handles (cuda_vmm with their fds in `fds`, in order; or cuda_ipc).
-        `doorbell` (protocol 3): an eventfd the daemon rings when completions wait; sent last.
+        `doorbell` (protocol 3-4): an eventfd sent last; daemons since protocol 5 close it unrung
+        (its open file would be shared with the engine) and make their own (`doorbell_pipe`).
         """
         if shm_fds:
             handles, sent = [P.MemoryHandle("shm", size) for size in geometry.buffers], list(shm_fds)
@@ -195,15 +201,37 @@ class Requests:
         return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, _blocks(local_blocks),
                       _blocks(remote_blocks), deadline_s, audit)
 
+    def expect(self, request_id: str, remote: P.RemoteRef) -> P.Expect:
+        return P.Expect(self.engine_id, self.rank, request_id, remote)
+
     def poll(self, wait_s: float, max_items: int) -> P.Poll:
         return P.Poll(self.engine_id, self.rank, wait_s, max_items)
 
 
-Order = P.Hold | P.Read
+Order = P.Hold | P.Read | P.Expect
 
 
-def _outcomes(results: P.Results) -> list[DaemonError | None]:
-    return [DaemonError(r.code, r.message) if isinstance(r, P.Error) else None for r in results.items]
+def _settle(todo: list[int], results: P.Results, out: list[DaemonError | None]) -> list[int]:
+    """Record the outcomes of the orders `todo` named; return those a refused batch left
+    unapplied (a daemon applies a batch all or nothing: P.NOT_APPLIED marks the innocent)."""
+    again = []
+    for i, r in zip(todo, results.items):
+        if isinstance(r, P.Error) and r.message.startswith(P.NOT_APPLIED):
+            again.append(i)
+        else:
+            out[i] = DaemonError(r.code, r.message) if isinstance(r, P.Error) else None
+    return again if len(again) < len(todo) else []  # each round settles one refusal at least
+
+
+def _each_applied(orders: Sequence[Order], send: Callable[[list[Order]], P.Results]) -> list[DaemonError | None]:
+    """Per order, None or the error it was refused with. The daemon applies a batch all or
+    nothing; the orders a refusal held back go again without it (one more round trip per
+    refused batch), so each order gets its own outcome, as one call each would give."""
+    out: list[DaemonError | None] = [None] * len(orders)
+    todo = list(range(len(orders)))
+    while todo:
+        todo = _settle(todo, send([orders[i] for i in todo]), out)
+    return out
 
 
 def _blocks(lists: BlockLists) -> list[list[int]]:
@@ -218,33 +246,36 @@ class EngineClient:
         self.requests = Requests(engine_id, rank, tp_size)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
-        self.doorbell: int | None = None  # eventfd the daemon rings when completions wait
+        self.doorbell: int | None = None  # doorbell pipe's read end: a byte when completions wait
         self.token = ""  # from `register`: what another process passes to `attach`
+        self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
+        self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
                  fds: Sequence[int] = (), doorbell: bool = False) -> str:
         """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
 
-        `doorbell`: ask the daemon (protocol 3 and later) to ring an eventfd when completions
-        wait, so that `rung()` tells without a round trip whether a poll would find anything.
+        `doorbell`: ask the daemon (protocol 5 and later) for a doorbell pipe it writes a byte to
+        when completions wait, so that `rung()` tells without a round trip whether a poll would
+        find anything. The daemon keeps the write end: nothing the engine does can block it.
         """
-        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if doorbell and self.rpc.version >= 3 else None
-        msg, sent = self.requests.register(geometry, shm_fds, memory, fds, bell)
-        try:
-            reply = self.rpc.call(msg, P.Registered, sent)
-        except BaseException:
-            if bell is not None:
-                os.close(bell)
-            raise
-        if bell is not None and not reply.doorbell:
-            os.close(bell)
-            bell = None
+        msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
+        if doorbell and self.rpc.version >= 5:
+            msg = msgspec.structs.replace(msg, doorbell_pipe=True)
+        reply = self.rpc.call(msg, P.Registered, sent)
+        bell = None
+        if reply.doorbell:  # the pipe's read end came with the reply
+            bell = self.rpc.reader.take_fds(1)[0]
+            os.set_blocking(bell, False)
+        self.rpc.reader.close()  # anything else a reply carried is not ours to keep
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
+        self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
     def attach(self, token: str) -> None:
-        """Act for a rank another process registered (protocol 3), with the token its
-        registration returned; requests naming it from this connection are then served."""
+        """Act for a rank another connection registered (protocol 3), with the token its
+        registration returned; requests naming it from this connection are then served. A
+        second connection of the registering process attaches too: a pid is no identity."""
         self.rpc.call(self.requests.attach(token), P.Ok)
 
     def rung(self) -> bool:
@@ -253,7 +284,7 @@ class EngineClient:
         if self.doorbell is None:
             return True
         try:
-            os.eventfd_read(self.doorbell)
+            os.read(self.doorbell, 4096)  # the rings so far (b"": the daemon's end closed: poll anyway)
         except BlockingIOError:
             return False
         return True
@@ -270,12 +301,25 @@ class EngineClient:
         self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks, deadline_s,
                                          audit), P.Ok)
 
+    def expect(self, request_id: str, remote: P.RemoteRef) -> None:
+        """Decode: `request_id` will read `remote` (protocol 6; before, nothing is sent)."""
+        if self.rpc.version >= 6:
+            self.rpc.call(self.requests.expect(request_id, remote), P.Ok)
+
     def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions, timeout=wait_s + 30).items
 
     def batch(self, orders: Sequence[Order]) -> list[DaemonError | None]:
-        """Holds and reads (built with `self.requests`) in one round trip, one call each to a
-        protocol-1 daemon; per order, None or the error the daemon refused it with."""
+        """Holds, reads and expects (built with `self.requests`) in one round trip, one call each
+        to a protocol-1 daemon; per order, None or the error the daemon refused it with (an
+        expect a daemon before protocol 6 does not know: None, not sent)."""
+        if self.rpc.version < 6:
+            kept = [i for i, o in enumerate(orders) if not isinstance(o, P.Expect)]
+            if len(kept) < len(orders):
+                out_all: list[DaemonError | None] = [None] * len(orders)
+                for i, r in zip(kept, self.batch([orders[i] for i in kept])):
+                    out_all[i] = r
+                return out_all
         if not orders:
             return []
         if self.rpc.version < 2:
@@ -287,7 +331,7 @@ class EngineClient:
                 except DaemonError as exc:
                     out.append(exc)
             return out
-        return _outcomes(self.rpc.call(P.Batch(list(orders)), P.Results))
+        return _each_applied(orders, lambda todo: self.rpc.call(P.Batch(todo), P.Results))
 
     def status(self) -> P.Status:
         return self.rpc.status()
@@ -312,6 +356,7 @@ class AsyncEngineClient:
         self.rpc = rpc
         self.requests = Requests(engine_id, rank, tp_size)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+        self.token = ""  # from `register`: what another connection passes to `attach`
 
     @classmethod
     async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> AsyncEngineClient:
@@ -320,7 +365,13 @@ class AsyncEngineClient:
     async def register(self, geometry: Geometry, shm_fds: Sequence[int] = (),
                        memory: Sequence[P.MemoryHandle] = (), fds: Sequence[int] = ()) -> str:
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
-        return (await self.rpc.call(msg, P.Registered, sent)).side_channel
+        reply = await self.rpc.call(msg, P.Registered, sent)
+        self.token = reply.token
+        return reply.side_channel
+
+    async def attach(self, token: str) -> None:
+        """Act for a rank another connection registered, with the token its registration returned."""
+        await self.rpc.call(self.requests.attach(token), P.Ok)
 
     async def unregister(self) -> None:
         await self.rpc.call(self.requests.unregister(), P.Ok)
@@ -334,14 +385,31 @@ class AsyncEngineClient:
         await self.rpc.call(self.requests.read(request_id, remote, num_tokens, local_blocks, remote_blocks,
                                                deadline_s, audit), P.Ok)
 
+    async def expect(self, request_id: str, remote: P.RemoteRef) -> None:
+        """Decode: `request_id` will read `remote` (protocol 6; before, nothing is sent)."""
+        if self.rpc.version >= 6:
+            await self.rpc.call(self.requests.expect(request_id, remote), P.Ok)
+
     async def poll(self, wait_s: float = 0.0, max_items: int = 1024) -> list[P.Completion]:
         return (await self.rpc.call(self.requests.poll(wait_s, max_items), P.Completions)).items
 
     async def batch(self, orders: Sequence[Order]) -> list[DaemonError | None]:
-        """Holds and reads (built with `self.requests`) in one round trip; per order, None or its error."""
+        """Holds, reads and expects (built with `self.requests`) in one round trip; per order, None
+        or its error (an expect a daemon before protocol 6 does not know: None, not sent)."""
+        if self.rpc.version < 6 and any(isinstance(o, P.Expect) for o in orders):
+            kept = [i for i, o in enumerate(orders) if not isinstance(o, P.Expect)]
+            out_all: list[DaemonError | None] = [None] * len(orders)
+            for i, r in zip(kept, await self.batch([orders[i] for i in kept])):
+                out_all[i] = r
+            return out_all
         if not orders:
             return []
-        return _outcomes(await self.rpc.call(P.Batch(list(orders)), P.Results))
+        out: list[DaemonError | None] = [None] * len(orders)
+        todo = list(range(len(orders)))
+        while todo:  # as `_each_applied`, awaiting each round
+            results = await self.rpc.call(P.Batch([orders[i] for i in todo]), P.Results)
+            todo = _settle(todo, results, out)
+        return out
 
     async def stream(self, wait_s: float = 1.0) -> AsyncIterator[P.Completion]:
         """Completions as they come (long-polls under the hood)."""

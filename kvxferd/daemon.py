@@ -3,7 +3,9 @@
     engine ─► rpc (Unix socket) ─► Daemon._dispatch ─► engines   registration, lookup, release
                                                      ├► holds     prefill: holds, notifications, leases
                                                      └► reads     decode: reads ─► peers (handshake, routes)
-    peer daemon ─► side channel ─► holds.answer_handshake, holds.answer_audit (integrity audit)
+    peer daemon ─► side channel ─► holds.answer_handshake, holds.answer_audit (integrity audit),
+                                   engines.answer_probe (is an engine still there, which epoch)
+    housekeeping ─► liveness (decode: probe peers, retire the gone) ─► peers
     every component ─► recorder (Prometheus, status counters, recent windows)
 
 Each component owns its state; the daemon hands each only what it needs and owns the tasks
@@ -14,6 +16,7 @@ releases) and the systemd watchdog. Lifecycle: `start`, then `stop` in phases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import logging
 import os
@@ -21,19 +24,21 @@ import secrets
 import signal
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from . import __version__
+from . import __version__, integrity
 from . import handshake as hs
 from . import protocol as P
 from .config import Config
 from .engines import EngineRank, Engines
 from .holds import Holds
 from .lanes import Lanes
+from .leases import Leases
+from .liveness import Liveness
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
 from .pace import SPIN, Pace
@@ -43,8 +48,11 @@ from .reads import Reads
 from .recorder import Recorder, RpcOutcome
 from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
+from .sidelink import Links
+from .sockdir import unlink_if_bound
 
 log = logging.getLogger("kvxferd")
+R = TypeVar("R", bound=P.Msg)
 
 LONG_POLL_MAX_S = 60.0
 HOUSEKEEPING_S = 0.05
@@ -59,6 +67,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: asyncio.Server | None = None
         self._connections: set[ServerConnection] = set()
+        self._per_uid: dict[int, int] = {}  # open engine connections by uid (max_connections_per_uid)
+        self._socket_gid: int | None = None
         self._wake = asyncio.Event()  # a READ was posted or a hold arrived: progress NIXL now
         self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
         self.metrics_port = 0
@@ -78,16 +88,29 @@ class Daemon:
                                        cfg.curve_server_key_file)
         self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
         self.engines = Engines(self.nixl, self.recorder, self.lanes)
-        self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit)
-        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes)
+        self.digester = integrity.Digester("digest")  # our engines' holds and reads
+        self.audit_digester = integrity.Digester("audit")  # peers' audits: apart, so neither starves the other
+        self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
+                           self.digester, self.audit_digester, cfg.max_holds_per_engine)
+        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes,
+                           cfg.max_plan_descriptors)
+        self.links = Links(self.zmq, self.curve)
+        self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
+                             cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
-                           cfg.integrity_audit)
+                           cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
+                           self.leases)
+        self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
+                                 cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
                                             self._answer_side_channel, self.curve)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
-        group = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
+        group = self._socket_gid = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         self.unix_sock, accept = await serve_unix(cfg.socket_path, self._on_connect, self._on_frame,
-                                                  self._on_close, cfg.socket_mode, cfg.max_frame_bytes, group)
+                                                  self._on_close,
+                                                  cfg.socket_mode | (0o060 if group is not None else 0),
+                                                  cfg.max_frame_bytes, group,
+                                                  self.recorder.accept_failed)
         self._accepting = [accept, asyncio.create_task(self.hs_server.run()),
                            asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer))]
         self._tasks = [asyncio.create_task(self._progress()), asyncio.create_task(self._housekeeping())]
@@ -117,10 +140,7 @@ class Daemon:
         await _cancel(self._accepting)
         self.hs_server.close()
         self.unix_sock.close()
-        try:
-            os.unlink(self.cfg.socket_path)
-        except OSError:
-            pass
+        unlink_if_bound(self.unix_sock, self.cfg.socket_path)  # not a newer daemon's socket at that path
         told = self.reads.fail_all("shutdown", "the daemon is stopping")
         deadline = time.monotonic() + drain_s
         while time.monotonic() < deadline and (self.reads.quarantined or any(
@@ -129,11 +149,15 @@ class Daemon:
         if self.reads.quarantined:
             log.warning("stopping with %d quarantined reads still running in NIXL", self.reads.quarantined)
         await _cancel(self._tasks)
+        await self.liveness.close()
         if self._http is not None:
             self._http.close()
         for conn in list(self._connections):
             conn.close()  # unregisters its engine ranks
         self.peers.close()
+        self.links.close()
+        self.digester.close()  # waits for a digest reading engine memory to end
+        self.audit_digester.close()
         for er in self.engines.all():
             self.engines.close(er, "daemon stopping")
             if not self.reads.uses_engine(er):  # memory NIXL may still write stays mapped until exit
@@ -185,9 +209,9 @@ class Daemon:
             log.warning("reading notifications failed: %s", exc)
             return
         arrived = False
-        for messages in notifs.values():  # NIXL keeps an entry, often empty, per known agent
+        for sender, messages in notifs.items():  # NIXL keeps an entry, often empty, per known agent
             for m in messages:
-                self.holds.on_notification(m)
+                self.holds.on_notification(sender, m)  # the sender's name, as it declared it
                 arrived = True
         if arrived:
             self.pace.active(time.monotonic())
@@ -197,6 +221,9 @@ class Daemon:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
             self.holds.expire(now)
+            self.leases.renew(now)
+            self.links.close_idle(now)
+            self.liveness.tick(now)
             self._release_idle(now)
 
     def _release_idle(self, now: float) -> None:
@@ -205,11 +232,15 @@ class Daemon:
             self.peers.forget_engine(er.key)  # its prepared lists go before its memory
             self.engines.release(er)
 
-    def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply:
+    def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply | Awaitable[hs.SideReply]:
         if isinstance(req, hs.AuditRequest):
             return self.holds.answer_audit(req)
+        if isinstance(req, hs.ProbeRequest):
+            return self.engines.answer_probe(req)
         self.pace.active(time.monotonic())  # a peer is about to read our memory
         self._wake.set()
+        if isinstance(req, hs.LeaseRequest):
+            return self.holds.answer_lease(req)
         return self.holds.answer_handshake(req)
 
     def _on_refused_peer(self, event: int) -> None:
@@ -220,15 +251,37 @@ class Daemon:
     # --- engine connections ---------------------------------------------------
     def _on_connect(self, conn: ServerConnection) -> None:
         self._connections.add(conn)
-        uid = conn.credentials[1]
-        if uid not in (set(self.cfg.allowed_uids) or {os.getuid(), 0}):
+        _, uid, gid = conn.credentials
+        if not self._may_connect(uid, gid):
             self.recorder.connection_refused("uid")
-            log.warning("refused engine connection from uid %d (pid %d): not in allowed_uids",
-                        uid, conn.credentials[0])
+            log.warning("refused engine connection from uid %d gid %d: not in allowed_uids%s", uid, gid,
+                        f" nor group {self.cfg.socket_group}" if self.cfg.socket_group else "")
             conn.fail(RequestError("forbidden", f"uid {uid} may not use this daemon"))
+            return
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        conn.counted = True
+        if self._per_uid[uid] > self.cfg.max_connections_per_uid:
+            self.recorder.connection_refused("connections")
+            log.warning("refused engine connection from uid %d: it has %d open (max_connections_per_uid %d)",
+                        uid, self._per_uid[uid] - 1, self.cfg.max_connections_per_uid)
+            conn.fail(RequestError("forbidden", f"uid {uid} has {self._per_uid[uid] - 1} connections open "
+                                                f"(max_connections_per_uid {self.cfg.max_connections_per_uid})"))
+
+    def _may_connect(self, uid: int, gid: int) -> bool:
+        """allowed_uids (default: ours and root), and the members of socket_group whose primary
+        group it is (SO_PEERCRED tells the primary gid only; a supplementary member needs its
+        uid listed)."""
+        if uid in (set(self.cfg.allowed_uids) or {os.getuid(), 0}):
+            return True
+        return self._socket_gid is not None and gid == self._socket_gid
 
     def _on_close(self, conn: ServerConnection) -> None:
         self._connections.discard(conn)
+        if conn.counted:
+            uid = conn.credentials[1]
+            self._per_uid[uid] -= 1
+            if not self._per_uid[uid]:
+                del self._per_uid[uid]
         for er in self.engines.all():
             if er.conn is conn:
                 self._unregister(er, "engine disconnected")
@@ -238,6 +291,7 @@ class Daemon:
         if not self.engines.close(er, why):
             return
         self.reads.fail_engine(er, why)
+        self.leases.forget_engine(er.key)
         # Readers may still be pulling held blocks: keep the memory until their leases end.
         er.release_after = max(er.release_after, self.holds.drop_engine(er.key))
         self._release_idle(time.monotonic())
@@ -255,7 +309,9 @@ class Daemon:
                 er = self._rank(msg.engine_id, msg.tp_rank, conn, "poll")
                 if not er.completions:
                     return self._poll_later(er, msg, received_at)
-            reply: P.Reply = self._dispatch(conn, msg, received_at)
+            reply = self._dispatch(conn, msg, received_at)
+            if not isinstance(reply, P.Msg):  # a hold digesting its blocks: answered once they are
+                return self._answer_later(reply, method, received_at)
             outcome: RpcOutcome = "ok"
         except P.DECODE_ERRORS as exc:
             reply, outcome = P.Error("bad_request", f"malformed request: {exc}{_offending(data, exc)}"), "error"
@@ -269,17 +325,25 @@ class Daemon:
         self.recorder.rpc_answered(method, outcome, time.perf_counter() - received_at)
         return P.encoder.encode(reply)
 
-    def _dispatch(self, conn: ServerConnection, msg: P.Request, received_at: float) -> P.Reply:
+    async def _answer_later(self, reply: Awaitable[P.Reply], method: str, received_at: float) -> bytes:
+        answer = await reply
+        self.recorder.rpc_answered(method, "ok", time.perf_counter() - received_at)
+        return P.encoder.encode(answer)
+
+    def _dispatch(self, conn: ServerConnection, msg: P.Request, received_at: float) -> P.Reply | Awaitable[P.Reply]:
         match msg:
             case P.Hello(version=version):
                 if version not in P.SUPPORTED_VERSIONS:
                     raise RequestError("version", f"protocol version {version} unsupported; "
                                                   f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
-            case P.Register(memory=memory, doorbell=doorbell):
-                fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + doorbell)
+            case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe):
+                # A protocol 3-4 eventfd is taken and closed unrung (engines.EngineRank._ring says why).
+                fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + eventfd)
                 er = self.engines.register(msg, fds, conn)
-                return P.Registered(self.cfg.side_channel, self.nixl.name, doorbell, er.token)
+                if pipe:
+                    conn.send_with_next_reply(er.open_doorbell())
+                return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):
@@ -291,31 +355,83 @@ class Daemon:
                 self._unregister(self._rank(engine_id, rank, conn, "unregister"), "unregistered")
                 return P.Ok()
             case P.Hold(engine_id=engine_id, tp_rank=rank):
-                self.holds.hold(self._rank(engine_id, rank, conn, "hold"), msg)
-                self.pace.active(time.monotonic())
-                self._wake.set()
-                return P.Ok()
+                digesting = self._hold(self._rank(engine_id, rank, conn, "hold"), msg)
+                return P.Ok() if digesting is None else _when_done(digesting, P.Ok())
             case P.Read(engine_id=engine_id, tp_rank=rank):
                 self.reads.start(self._rank(engine_id, rank, conn, "read"), msg, received_at)
                 return P.Ok()
+            case P.Expect(engine_id=engine_id, tp_rank=rank):
+                er = self._rank(engine_id, rank, conn, "expect")
+                self.leases.expect(er.key, msg.request_id, msg.remote)
+                return P.Ok()
             case P.Batch(items=items):
-                return P.Results([self._batched(conn, item, received_at) for item in items])
+                return self._batch(conn, items, received_at)
             case P.Poll(engine_id=engine_id, tp_rank=rank, max_items=max_items):
                 return self._rank(engine_id, rank, conn, "poll").take_completions(max_items)
             case P.StatusQuery():
                 return P.StatusReply(self.status())
 
-    def _batched(self, conn: ServerConnection, item: P.Hold | P.Read, received_at: float) -> P.Ok | P.Error:
-        """One item of a batch: its own outcome; a refusal ends only this item."""
-        try:
-            reply = self._dispatch(conn, item, received_at)
-        except RequestError as exc:
-            return P.Error(exc.code, str(exc))
-        except Exception as exc:  # each item is whole or absent: the batch's others keep their outcomes
-            log.error("batch item %s %r failed unexpectedly", type(item).__name__, item.request_id, exc_info=exc)
-            return P.Error("internal", f"{type(exc).__name__}: {exc}")
-        assert isinstance(reply, P.Ok)
-        return reply
+    def _hold(self, er: EngineRank, msg: P.Hold) -> Awaitable[object] | None:
+        digesting = self.holds.hold(er, msg)
+        self.pace.active(time.monotonic())
+        self._wake.set()
+        return digesting
+
+    def _batch(self, conn: ServerConnection, items: list[P.Hold | P.Read | P.Expect],
+               received_at: float) -> P.Results | Awaitable[P.Results]:
+        """All or nothing: every item is checked before any is applied; one refused, none applied
+        (each refused item says why, the others that they were not applied)."""
+        refusals: list[P.Error | None] = []
+        new: dict[tuple[str, str, int], int] = {}  # new holds / reads per rank, earlier in this batch
+        reading: set[tuple[str, int, str]] = set()  # reads earlier in this batch (a second hold renews)
+        for item in items:
+            kind = type(item).__name__.lower()
+            try:
+                er = self._rank(item.engine_id, item.tp_rank, conn, kind)
+                if isinstance(item, P.Read):
+                    if (item.engine_id, item.tp_rank, item.request_id) in reading:
+                        raise RequestError("bad_request", f"request {item.request_id!r} is already being read "
+                                                          "(earlier in this batch)")
+                    reading.add((item.engine_id, item.tp_rank, item.request_id))
+                count = (kind, item.engine_id, item.tp_rank)
+                if isinstance(item, P.Hold):
+                    new[count] = new.get(count, 0) + self.holds.check(er, item, new.get(count, 0))
+                elif isinstance(item, P.Expect):
+                    pass  # the rank's own: nothing else to check
+                else:
+                    self.reads.check(er, item, new.get(count, 0))
+                    new[count] = new.get(count, 0) + 1
+                refusals.append(None)
+            except RequestError as exc:
+                refusals.append(P.Error(exc.code, str(exc)))
+        refused = [i for i, r in enumerate(refusals) if r is not None]
+        if refused:
+            for i in refused:  # a refused read is not sent again: what its engine expected keeps nothing alive
+                item = items[i]
+                rank = self.engines.ranks.get((item.engine_id, item.tp_rank))
+                if isinstance(item, P.Read) and rank is not None and rank.may_act(conn):
+                    self.reads.refused(rank, item)
+            note = P.Error("bad_request", f"{P.NOT_APPLIED}batch item {refused[0]} was refused")
+            return P.Results([r or note for r in refusals])
+        results: list[P.Ok | P.Error] = []
+        waits: list[Awaitable[object]] = []
+        for item in items:
+            try:
+                if isinstance(item, P.Hold):
+                    digesting = self._hold(self._rank(item.engine_id, item.tp_rank, conn), item)
+                    if digesting is not None:
+                        waits.append(digesting)
+                elif isinstance(item, P.Expect):
+                    self.leases.expect((item.engine_id, item.tp_rank), item.request_id, item.remote)
+                else:
+                    self.reads.start(self._rank(item.engine_id, item.tp_rank, conn), item, received_at)
+                results.append(P.Ok())
+            except Exception as exc:  # checked above: only a bug gets here; the item says so
+                log.error("batch item %s %r failed after its check", type(item).__name__, item.request_id,
+                          exc_info=exc)
+                results.append(P.Error("internal", f"{type(exc).__name__}: {exc}"))
+        reply = P.Results(results)
+        return _when_done(asyncio.gather(*waits, return_exceptions=True), reply) if waits else reply
 
     def _rank(self, engine_id: str, rank: int, conn: ServerConnection | None, method: str = "") -> EngineRank:
         """The serving rank a request names: `unknown_engine` if there is none, `forbidden` (and
@@ -360,7 +476,8 @@ class Daemon:
             counters=msgspec.structs.replace(self.recorder.counters),
             latency_us=self.recorder.latency(),
             failures=list(self.recorder.failures)[-16:],
-            totals=P.Totals(len(engines), len(peers), self.reads.in_flight, self.holds.held),
+            totals=P.Totals(len(engines), len(peers), self.reads.in_flight, self.holds.held,
+                            len(self.nixl.remote_agents), self.lanes.remote_agents()),
         )
 
 
@@ -376,6 +493,13 @@ def _offending(data: bytes | Exception, exc: Exception) -> str:
     except Exception:
         return ""
     return f" (got {where} {value!r})"
+
+
+async def _when_done(work: Awaitable[object], reply: R) -> R:
+    """`reply` once `work` ends (a hold's digests: the engine may reuse nothing it held before)."""
+    with contextlib.suppress(Exception):  # a failed digest is logged where it ran; the hold stands
+        await work
+    return reply
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -4,6 +4,10 @@
 
 A closing rank answers no request, but its memory stays mapped and registered while a read
 may still write it (in flight or quarantined) or a peer may still read it (a hold's lease).
+
+An engine's registration has an epoch, a random token made when its first rank registers and
+shared by the ranks that join it: peers learn it at handshake and ask for it in probes, so an
+engine that restarted under the same id (its ranks all gone, then back) is told apart.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ class EngineRank:
     closing: bool = False
     release_after: float = 0.0  # prefill memory: the latest lease a reader may still be using
     lane_registrations: LaneRegistrations = field(default_factory=list)  # the same memory, on each lane
-    owner_pid: int = -1  # the registering process (SO_PEERCRED); its connections act for the rank
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets another process `attach`
     attached: weakref.WeakSet[ServerConnection] = field(default_factory=weakref.WeakSet)
-    doorbell: int | None = None  # the engine's eventfd, rung when completions wait (protocol 3)
+    doorbell: int | None = None  # write end of the doorbell pipe, rung when completions wait (protocol 5)
     rung: bool = False  # rung since the engine last took completions: ring once per batch
+    digesting: int = 0  # integrity digests reading this memory on the digest thread (integrity.Digester)
+    epoch: str = ""  # the engine's registration this rank belongs to (see the module's docstring)
 
     @property
     def key(self) -> EngineKey:
@@ -75,9 +80,10 @@ class EngineRank:
         return self.mappings[0].device if self.mappings else 0
 
     def may_act(self, conn: ServerConnection | None) -> bool:
-        """Whether a request on `conn` may name this rank: the registering process's connections
-        and those attached with the rank's token (None: the daemon itself)."""
-        return conn is None or conn is self.conn or conn.credentials[0] == self.owner_pid or conn in self.attached
+        """Whether a request on `conn` may name this rank: the connection that registered it and
+        those attached with the rank's token (None: the daemon itself). Never a pid: a client in
+        another PID namespace (a pod beside the daemon's) is pid 0 to the daemon, as are all others."""
+        return conn is None or conn is self.conn or conn in self.attached
 
     def complete(self, c: P.Completion) -> None:
         """Queue a completion for the engine's next poll (dropped once the rank is closing)."""
@@ -97,16 +103,28 @@ class EngineRank:
         return P.Completions(items)
 
     def _ring(self) -> None:
-        """Tell an engine that polls only when rung that completions wait (one write per batch)."""
+        """Tell an engine that polls only when rung that completions wait (one byte per batch).
+        The pipe's write end is the daemon's alone (non-blocking; the engine holds only the read
+        end), so a ring never waits: a full pipe is rung already, a closed one is dropped."""
         if self.doorbell is None:
             return
         self.rung = True
         try:
-            os.eventfd_write(self.doorbell, 1)
-        except OSError as exc:  # cannot happen for a valid eventfd short of 2^64 - 1 rings
-            log.warning("engine %s rank %d: doorbell failed (%s); it polls without it", self.engine_id,
-                        self.tp_rank, exc)
+            os.write(self.doorbell, b"\x01")
+        except BlockingIOError:
+            pass  # 64 KiB of rings unread: the engine will see the ones there
+        except OSError as exc:  # EPIPE: the engine closed its end
+            log.info("engine %s rank %d: doorbell closed (%s); it polls without it", self.engine_id,
+                     self.tp_rank, exc)
             self.close_doorbell()
+
+    def open_doorbell(self) -> int:
+        """Make the rank's doorbell: keep the pipe's write end, return the read end (for the
+        engine; the caller sends and closes it)."""
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.close_doorbell()
+        self.doorbell = write_end
+        return read_end
 
     def close_doorbell(self) -> None:
         if self.doorbell is not None:
@@ -126,16 +144,19 @@ class Engines:
         self._nixl = nixl
         self._lanes = lanes
         self._recorder = recorder
-        self._ranks: dict[EngineKey, EngineRank] = {}
+        self._ranks: dict[EngineKey, EngineRank] = {}  # serving, by key
+        # Closed ranks whose memory stays until nothing uses it: apart from the keys, so that a
+        # restarted engine registers again at once (its old memory may be pinned for a lease).
+        self._closing: list[EngineRank] = []
         self.ranks = MappingProxyType(self._ranks)  # read only: the dispatch's lookup
 
     def serving(self, engine_id: str) -> list[EngineRank]:
         """The serving ranks of one engine, by rank."""
-        return sorted((e for e in self._ranks.values() if e.engine_id == engine_id and not e.closing),
+        return sorted((e for e in self._ranks.values() if e.engine_id == engine_id),
                       key=lambda e: e.tp_rank)
 
     def all(self) -> list[EngineRank]:
-        return list(self._ranks.values())
+        return [*self._ranks.values(), *self._closing]
 
     def knows(self, key: EngineKey) -> bool:
         return key in self._ranks
@@ -147,7 +168,7 @@ class Engines:
         pending = deque(fds)
         mappings: list[Mapping] = []
         try:
-            geo = self._check(msg)
+            geo = self._check(msg, conn)
             for m in msg.memory:  # each mapper owns (and closes) the fd it is given
                 if m.kind == "shm":
                     mappings.append(map_shm(pending.popleft(), m.nbytes))
@@ -155,7 +176,6 @@ class Engines:
                     mappings.append(map_cuda_vmm(pending.popleft(), m.nbytes, m.device))
                 else:
                     mappings.append(map_cuda(m.cuda_handle, m.nbytes))
-            doorbell = _eventfd(pending.popleft()) if msg.doorbell else None
         except MappingError as exc:
             for mp in mappings:
                 mp.close()
@@ -174,23 +194,29 @@ class Engines:
                 self._nixl.deregister(reg)
             for mp in mappings:
                 mp.close()
-            if doorbell is not None:
-                os.close(doorbell)
             raise RequestError("unsupported", f"NIXL cannot register this engine's {mappings[0].kind} memory "
                                               f"({msg.memory[0].kind}): {exc}") from None
+        siblings = self.serving(msg.engine_id)
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
                         region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn,
-                        owner_pid=conn.credentials[0] if conn is not None else -1, doorbell=doorbell,
-                        lane_registrations=lane_regs)
+                        lane_registrations=lane_regs,
+                        epoch=siblings[0].epoch if siblings else secrets.token_hex(8))
         self._ranks[er.key] = er
         self._changed()
         log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
                  geo.model, er.nbytes)
         return er
 
-    def _check(self, msg: P.Register) -> Geometry:
+    def _check(self, msg: P.Register, conn: ServerConnection | None) -> Geometry:
         if (msg.engine_id, msg.tp_rank) in self._ranks:
             raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
+        for other in self.serving(msg.engine_id):  # an engine's ranks: one user's, one TP size
+            if other.conn is not None and conn is not None and other.conn.credentials[1] != conn.credentials[1]:
+                raise RequestError("forbidden", f"engine {msg.engine_id!r} is registered by another user "
+                                                f"(uid {other.conn.credentials[1]})")
+            if other.tp_size != msg.tp_size:
+                raise RequestError("bad_request", f"engine {msg.engine_id!r} has ranks of TP size {other.tp_size}, "
+                                                  f"not {msg.tp_size}")
         try:
             geo = validate(msg.geometry)
         except GeometryError as exc:
@@ -205,6 +231,13 @@ class Engines:
                 raise RequestError("bad_request", f"buffer {i}: handle of {m.nbytes} B, geometry needs {size} B")
         return geo
 
+    def answer_probe(self, req: hs.ProbeRequest) -> hs.ProbeReply:
+        """A peer daemon asks whether an engine is still registered here, and under which epoch."""
+        ranks = self.serving(req.engine_id)
+        if not ranks:
+            return hs.ProbeReply(False, f"engine {req.engine_id!r} is not registered with this daemon", gone=True)
+        return hs.ProbeReply(True, epoch=ranks[0].epoch)
+
     # --- close and release ----------------------------------------------------
     def close(self, er: EngineRank, why: str) -> bool:
         """Stop serving a rank (its memory stays until `release`); False if it was closing already."""
@@ -212,19 +245,24 @@ class Engines:
             return False
         er.closing = True
         er.close_doorbell()  # a closing rank queues no completion
+        if self._ranks.get(er.key) is er:
+            del self._ranks[er.key]
+            self._closing.append(er)
         self._changed()
         log.info("engine %s rank %d: %s; memory released when idle", er.engine_id, er.tp_rank, why)
         return True
 
     def idle(self, in_use: Callable[[EngineRank], bool], now: float) -> list[EngineRank]:
         """Closing ranks nothing touches any more: no read uses them and every lease has ended."""
-        return [er for er in self._ranks.values()
-                if er.closing and now >= er.release_after and not in_use(er)]
+        return [er for er in self._closing
+                if er.closing and now >= er.release_after and not er.digesting and not in_use(er)]
 
     def release(self, er: EngineRank) -> None:
         """Deregister and unmap a closed rank's memory (the caller made sure nothing uses it)."""
         if self._ranks.get(er.key) is er:
             del self._ranks[er.key]
+        if er in self._closing:
+            self._closing.remove(er)
         for reg in er.registrations:
             self._nixl.deregister(reg)
         if self._lanes is not None:
@@ -235,24 +273,11 @@ class Engines:
         self._changed()
 
     def _changed(self) -> None:
-        live = [e for e in self._ranks.values() if not e.closing]
+        live = list(self._ranks.values())
         self._recorder.engines_changed(len(live), len({e.engine_id for e in live}),
-                                       sum(e.nbytes for e in self._ranks.values()))
+                                       sum(e.nbytes for e in self.all()))
 
     def status(self, pinned: Callable[[EngineRank], int]) -> list[P.EngineStatus]:
         return [P.EngineStatus(e.engine_id, e.tp_rank, e.tp_size, e.geometry.model, e.nbytes,
                                e.mappings[0].kind if e.mappings else "-", "closing" if e.closing else "serving",
-                               pinned(e), len(e.completions)) for e in self._ranks.values()]
-
-
-
-def _eventfd(fd: int) -> int:
-    """The registration's doorbell fd, refused (and closed) unless it is an eventfd."""
-    try:
-        kind = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        kind = "unknown"
-    if kind != "anon_inode:[eventfd]":
-        os.close(fd)
-        raise MappingError(f"doorbell: the last fd must be an eventfd, got {kind}")
-    return fd
+                               pinned(e), len(e.completions)) for e in self.all()]

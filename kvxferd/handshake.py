@@ -7,13 +7,23 @@ request a consumer has finished. An audited read asks, before it is reported, fo
 digests of the rows it read (`AuditRequest`, integrity.py). Payloads are msgspec msgpack
 (never pickle); every wait has a deadline.
 
-Side-channel version 2 tags requests (`"kind": "handshake" | "audit"`).
+Side-channel version 2 tags requests (`"kind": "handshake" | "audit" | "probe"`). A probe
+(`ProbeRequest`) asks whether an engine is still registered, and under which epoch (a token the
+prefill daemon makes when an engine's first rank registers): the decode daemon's way to notice
+a peer that went away or restarted (liveness.py). A daemon from before probes answers one as a
+malformed request: alive, epoch unknown. Version 3 adds `"lease"`, a decode daemon's claims on
+the holds it reads (leases.py), sent over one DEALER connection per peer daemon (sidelink.py).
+
+What a handshake grants is scoped to the engine it names: the reply's metadata covers that
+engine's registered memory only, and the requester (the asking daemon's NIXL agent) is the
+only agent whose notifications for that engine the answering daemon accepts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,7 +36,8 @@ from msgspec import Meta
 from .plan.geometry import Geometry, Segment
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
-HANDSHAKE_VERSION = 2
+HANDSHAKE_VERSION = 2  # of handshakes and audits; leases are version 3 (LeaseRequest)
+LEASE_VERSION = 3
 MAX_MESSAGE = 256 << 20
 MAX_AUDIT_ROWS = 4 << 20
 
@@ -43,9 +54,13 @@ class HandshakeError(RuntimeError):
 
 
 class HandshakeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="handshake"):
+    """`requester`: the asking daemon's NIXL agent name (every kvxferd has sent it since
+    side-channel version 1). The answering daemon accepts notifications for `engine_id` from that
+    agent only; a request without it is answered, but no notification of its sender counts."""
+
     version: int
     engine_id: Name
-    requester: str = ""
+    requester: Annotated[str, Meta(max_length=1024)] = ""
 
 
 class AuditRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="audit"):
@@ -70,6 +85,26 @@ class AuditReply(msgspec.Struct):
     retry: bool = False
 
 
+Epoch = Annotated[str, Meta(max_length=64)]  # an engine registration's token (engines.py makes 16 hex digits)
+
+
+class ProbeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="probe"):
+    """Is `engine_id` still registered, and under which epoch? Cheap: no metadata, no geometry."""
+
+    version: int
+    engine_id: Name
+
+
+class ProbeReply(msgspec.Struct):
+    """`ok`: registered, as `epoch`. `gone`: not registered (any more). Neither: the daemon could
+    not say (one from before probes answers a malformed request): it is alive, its epoch unknown."""
+
+    ok: bool
+    reason: str = ""
+    epoch: Epoch = ""
+    gone: bool = False
+
+
 class RankInfo(msgspec.Struct):
     tp_rank: Rank
     tp_size: TpSize
@@ -81,11 +116,22 @@ class RankInfo(msgspec.Struct):
 
 
 class HandshakeReply(msgspec.Struct):
+    """`metadata`: the answering agent's connection info and its registrations of the engine's
+    memory, nothing else (one blob per memory type: `metadata` the first, `more_metadata` the
+    rest, empty unless an engine's ranks mix host and device memory). A daemon before this
+    change sent metadata for all its memory; loading either is the same call."""
+
     ok: bool
     reason: str = ""
     agent: str = ""
     metadata: bytes = b""
     ranks: list[RankInfo] = []
+    more_metadata: list[bytes] = []
+    epoch: Epoch = ""  # the engine's registration (see ProbeRequest); "" from a daemon before epochs
+
+    @property
+    def all_metadata(self) -> tuple[bytes, ...]:
+        return (self.metadata, *self.more_metadata) if self.metadata else tuple(self.more_metadata)
 
 
 class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
@@ -99,6 +145,58 @@ class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
     expected: Annotated[int, Meta(ge=1, le=4096)]  # consumers the hold waits for
 
 
+class Claimed(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One held request a decode daemon reads (or will): `[engine, prefill rank, request id]`."""
+
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
+
+
+MAX_CLAIMS = 4096  # claims in one lease request (a decode daemon batches per peer daemon)
+
+
+class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="lease"):
+    """Side-channel version 3: a decode daemon claims held requests it reads or will read.
+
+    Each claim asks the prefill daemon to keep the hold alive for `extend_s` more seconds (0:
+    only say how long it is alive) and not to end it before then, even once its consumers have
+    all notified, unless `requester` notified it too. The reply says, per claim, whether the
+    hold is alive and for how long: a decode daemon reports a read `received` only when such a
+    reply covers the moment it saw the READ done (leases.py)."""
+
+    version: int
+    seq: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]  # echoed: replies on one link may come out of order
+    requester: Annotated[str, Meta(max_length=1024)]
+    extend_s: Annotated[float, Meta(ge=0, le=3600)]
+    claims: Annotated[list[Claimed], Meta(max_length=MAX_CLAIMS)]
+    release: bool = False  # the requester is done with these holds without reading them: unpin
+
+
+ClaimState = Literal["held", "consumed", "pending", "ended"]
+# held: alive, for granted_s at least;  consumed: ended "sent" after a notification of the requester;
+# pending: not held yet (an engine step behind its request);  ended: expired, dropped, or unknown
+
+
+class ClaimAnswer(msgspec.Struct, array_like=True):
+    state: ClaimState
+    granted_s: float = 0.0  # held: not ended before this long after the request arrived
+    # held, consumed: the registration of the engine holding it (ProbeRequest). A read planned
+    # against another one read memory of an engine that has restarted under the same id.
+    epoch: str = ""
+
+
+class LeaseReply(msgspec.Struct):
+    """`answers`: one per claim, in order. A daemon before side-channel version 3 answers a lease
+    request with a refusal without `seq` (0): a link takes that for its oldest request."""
+
+    ok: bool
+    reason: str = ""
+    seq: int = 0
+    answers: list[ClaimAnswer] = []
+    agent: str = ""  # the answering daemon's NIXL agent: a grant holds for that daemon instance only
+
+
 _notification_decoder = msgspec.msgpack.Decoder(Notification)
 
 
@@ -110,9 +208,12 @@ def decode_notification(data: bytes) -> Notification | None:
         return None
 
 
-_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest)
+_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
+_probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
+lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply)
+encode = msgspec.msgpack.Encoder().encode
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -184,17 +285,41 @@ def load_curve(secret_file: str, authorized_dir: str, server_key_file: str = "")
     return CurveKeys(public, secret, server, authorized_dir)
 
 
-def generate_keys(directory: str, name: str = "kvxferd") -> tuple[str, str]:
-    """Write a keypair (`name.key` public, `name.key_secret`); returns both paths."""
-    import zmq.auth
+class KeysExist(FileExistsError):
+    """A keypair of that name is there already (replace it with force=True)."""
+
+
+def generate_keys(directory: str, name: str = "kvxferd", force: bool = False) -> tuple[str, str]:
+    """Write a CurveZMQ keypair in pyzmq's certificate format (`name.key` public,
+    `name.key_secret`); returns both paths. Each file is created with its final mode (the
+    secret never readable by others, whatever the umask), O_EXCL and O_NOFOLLOW: no overwrite,
+    no write through a planted symlink. An existing pair raises KeysExist unless `force`."""
+    import datetime
+    import os
 
     Path(directory).mkdir(parents=True, exist_ok=True, mode=0o700)
-    return zmq.auth.create_certificates(directory, name)
+    public, secret = Path(directory) / f"{name}.key", Path(directory) / f"{name}.key_secret"
+    existing = [str(p) for p in (public, secret) if p.exists() or p.is_symlink()]
+    if existing and not force:
+        raise KeysExist(f"{', '.join(existing)} already exist(s); pass --force to replace the keypair")
+    pub_key, sec_key = (k.decode() for k in zmq.curve_keypair())
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    body = f'metadata\ncurve\n    public-key = "{pub_key}"\n'
+    for path, mode, text in ((secret, 0o600, f"#   ZeroMQ CURVE **Secret** Certificate ({now})\n#   keep it private\n\n"
+                              f'{body}    secret-key = "{sec_key}"\n'),
+                             (public, 0o644, f"#   ZeroMQ CURVE Public Certificate ({now})\n\n{body}")):
+        if force:
+            path.unlink(missing_ok=True)  # a fresh file, not a write through an old one's mode or a symlink
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    return str(public), str(secret)
 
 
-SideRequest = HandshakeRequest | AuditRequest
-SideReply = HandshakeReply | AuditReply
-Answer = Callable[[SideRequest], SideReply]
+SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest
+SideReply = HandshakeReply | AuditReply | ProbeReply | LeaseReply
+Answer = Callable[[SideRequest], "SideReply | Awaitable[SideReply]"]
+MAX_ANSWERS_PENDING = 256  # answers still being computed (audits digesting); more wait their turn
 
 
 class HandshakeServer:
@@ -235,18 +360,36 @@ class HandshakeServer:
             on_refused(int(event["event"]))
 
     async def run(self) -> None:
+        """Answer requests in turn; an answer that must wait (an audit's digests) is sent when
+        ready, while later requests are answered meanwhile."""
+        pending: set[asyncio.Task[None]] = set()
         while True:
+            if len(pending) >= MAX_ANSWERS_PENDING:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             parts = await self.sock.recv_multipart()
             if len(parts) != 3 or parts[1] != b"":
                 continue  # not a REQ socket's envelope: nothing to answer
-            reply: SideReply
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
             except DECODE_ERRORS as exc:
                 reply = HandshakeReply(False, f"malformed side-channel request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
                 reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")
-            await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
+            if isinstance(reply, HandshakeReply | AuditReply | ProbeReply | LeaseReply):
+                await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
+                # a ready message is received without yielding: a flood would keep the loop here
+                await asyncio.sleep(0)
+            else:
+                task = asyncio.ensure_future(self._answer_later(parts[0], reply))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+    async def _answer_later(self, identity: bytes, reply: Awaitable[SideReply]) -> None:
+        try:
+            answer = await reply
+        except Exception as exc:
+            answer = AuditReply(False, f"internal error: {type(exc).__name__}: {exc}")
+        await self.sock.send_multipart([identity, b"", _encoder.encode(answer)])
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -270,6 +413,15 @@ async def audit(ctx: zmq.asyncio.Context, host: str, port: int, req: AuditReques
                 curve: CurveKeys | None = None) -> AuditReply:
     """Ask the daemon at host:port for an audit; HandshakeError when no answer comes."""
     return await _ask(ctx, host, port, req, timeout_s, _audit_reply_decoder, curve)
+
+
+async def probe(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str, timeout_s: float,
+                curve: CurveKeys | None = None) -> ProbeReply:
+    """Ask the daemon at host:port whether engine_id is registered; HandshakeError when no answer
+    comes. An older daemon's answer (a HandshakeReply refusing the unknown kind) decodes as a
+    ProbeReply neither ok nor gone."""
+    return await _ask(ctx, host, port, ProbeRequest(HANDSHAKE_VERSION, engine_id), timeout_s,
+                      _probe_reply_decoder, curve)
 
 
 async def _ask(ctx: zmq.asyncio.Context, host: str, port: int, req: SideRequest, timeout_s: float,

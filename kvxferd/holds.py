@@ -6,6 +6,16 @@
 A consumer may finish before the engine's hold arrives; its notification waits (at most the
 longest lease) for the hold it belongs to.
 
+Claims (side-channel leases, a decode daemon's `LeaseRequest`): a daemon that reads or will
+read a held request asks to keep it alive `extend_s` longer (up to max_lease_s after the hold
+began) and is told for how long it is alive. Until then the hold does not end, not even once
+its consumers have all notified, unless that daemon notified it too: a pin. A claim on a
+request whose hold ended, or was held again after ending, is answered `ended`; the decode fails
+its read `expired` rather than report bytes the engine may have reused (leases.py).
+
+    held --lease or pins pass--> expired          held --consumers all notified, no pin--> sent
+    held --consumers all notified, pinned--> consumed --pins pass or their agents notify--> sent
+
 With the integrity audit, a hold digests its blocks' bytes as they are when held
 (integrity.py); a consumer's audit compares them again (a changed row: the block was reused)
 and digests the rows the consumer read.
@@ -17,11 +27,15 @@ notifications are dicts in arrival order, so the oldest is the first.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,7 +45,7 @@ from . import protocol as P
 from .engines import EngineKey, EngineRank, Engines
 from .nixl_driver import NixlDriver
 from .protocol import RequestError
-from .recorder import Recorder
+from .recorder import HoldOutcome, Recorder
 
 log = logging.getLogger("kvxferd")
 
@@ -42,12 +56,16 @@ HoldKey = tuple[str, int, str]  # (engine id, tp rank, request id)
 class Held:
     engine: EngineRank
     request_id: str
-    deadline: float
+    deadline: float  # when it ends: its lease or its last pin, whichever is later (`Holds._settle`)
     since: float
     block_ids: list[list[int]]
     count: int = 0  # consumers that notified
     expected: int = 0  # consumers the first notification announced; 0 until then
-    digests: HeldDigests | None = None  # the blocks' bytes when held (integrity audit)
+    digests: asyncio.Future[HeldDigests] | None = None  # the blocks' bytes when held (integrity audit)
+    audits: int = 0  # audits of it accepted and not answered yet
+    lease_until: float = 0.0  # the engine's lease (monotonic)
+    pins: dict[str, float] = field(default_factory=dict)  # claiming agent -> not ended before (monotonic)
+    notifiers: set[str] = field(default_factory=set)  # agents whose notifications counted
 
     @property
     def key(self) -> HoldKey:
@@ -85,6 +103,12 @@ class Early:
     count: int
     expected: int
     first: float
+    senders: set[str] = field(default_factory=set)
+
+
+# how a hold ended, the agents that notified it, and its engine's registration (epoch)
+Ended = tuple[HoldOutcome, frozenset[str], str]
+MAX_PINS = 64  # claiming agents pinning one hold; more are told how long it lives, unpinned (granted 0)
 
 
 RECENTLY_ENDED = 65536  # ended holds remembered, so an audit can tell "not yet" from "no more"
@@ -93,6 +117,9 @@ RECENTLY_ENDED = 65536  # ended holds remembered, so an audit can tell "not yet"
 # key element and chunk phase where blocks translate inside CPU attention's heads). Rows not in
 # whole words are digested one by one: few in honest reads, so they are bounded apart.
 MAX_UNALIGNED_AUDIT_ROWS = 1 << 16
+# Peers' agents that handshook, per engine, trusted to notify for it: least recently used first
+# out (a handshake or an accepted notification uses one), so a live consumer stays.
+MAX_NOTIFIERS = 65536
 
 
 def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
@@ -109,10 +136,52 @@ def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
             raise RequestError("bad_request", f"group {group.name}: a block id appears twice in {ids[:16]}")
 
 
+MAX_PENDING_AUDITS = 64  # audits accepted and not answered; more are asked to retry
+MAX_AUDITS_PER_HOLD = 16  # of those, naming one held request (a TP 16 decode's ranks at once)
+MAX_EARLY = 1 << 16  # notifications waiting for their hold; beyond, the oldest are dropped
+
+
+def _log_failure(fut: asyncio.Future[HeldDigests]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("digesting held blocks failed", exc_info=fut.exception())
+
+
+def _audit_rows(er: EngineRank, when_held: HeldDigests, raw_rows: bytes, where: str) -> tuple[hs.AuditReply, int]:
+    """The audit's answer and the bytes digested for it (runs on the digest thread). The rows
+    come off the wire: each must lie inside the held blocks, none not in whole words beyond a
+    bound, and all together no more bytes than the hold has."""
+    rows = np.frombuffer(raw_rows, "<i8").reshape(-1, 2)
+    held_bytes = int(when_held.rows[:, 1].sum())
+    unaligned = int(np.count_nonzero((rows[:, 0] % 8 != 0) | (rows[:, 1] % 8 != 0)))
+    if unaligned > MAX_UNALIGNED_AUDIT_ROWS:
+        return hs.AuditReply(False, f"audit of {unaligned} rows not in whole 8-byte words "
+                                    f"(at most {MAX_UNALIGNED_AUDIT_ROWS})"), 0
+    outside = integrity.outside_spans(when_held.rows, rows)
+    if outside >= 0:  # a consumer may ask for the bytes of the blocks it read, nothing else
+        return hs.AuditReply(False, f"audit row {outside} ({int(rows[outside, 0]):#x}, {int(rows[outside, 1])} B) "
+                                    f"lies outside {where}'s blocks"), 0
+    asked_bytes = sum(int(n) for n in rows[:, 1].tolist())  # Python ints: no wrap
+    if asked_bytes > held_bytes:
+        return hs.AuditReply(False, f"audit rows cover more bytes than {where} holds ({held_bytes} B)"), 0
+    try:
+        digests = integrity.digest_rows(er.mappings, rows)
+    except integrity.AuditError as exc:
+        return hs.AuditReply(False, str(exc)), 0
+    reused = when_held.reused(er, len(er.geometry.groups))
+    return hs.AuditReply(True, digests=digests.astype("<u8").tobytes(), reused=reused), held_bytes + asked_bytes
+
+
 class Holds:
     def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float,
-                 integrity_audit: bool = False) -> None:
+                 integrity_audit: bool = False, digester: integrity.Digester | None = None,
+                 audit_digester: integrity.Digester | None = None,
+                 max_per_rank: int = 1 << 16) -> None:
         self._engines = engines
+        self._max_per_rank = max_per_rank
+        self._per_rank: dict[EngineKey, int] = {}  # holds by engine rank (max_holds_per_engine)
+        self._digester = digester or integrity.Digester()  # engines' holds
+        self._audit_digester = audit_digester or integrity.Digester("audit")  # peers' audits
+        self._audits = 0  # accepted, not answered yet
         self._integrity_audit = integrity_audit
         self._nixl = nixl
         self._recorder = recorder
@@ -121,42 +190,67 @@ class Holds:
         self._leases: list[tuple[float, int, Held]] = []  # heap of (deadline, tie-break, hold)
         self._seq = itertools.count()
         self._early: dict[HoldKey, Early] = {}  # in arrival order
-        self._ended: dict[HoldKey, None] = {}  # recently ended holds, oldest first (bounded)
+        self._ended: dict[HoldKey, Ended] = {}  # recently ended holds, oldest first (bounded)
+        self._notifiers: OrderedDict[tuple[str, str], None] = OrderedDict()  # (engine id, peer agent)
+        self._refused_senders: set[str] = set()  # senders of refused notifications already logged
 
     @property
     def held(self) -> int:
         return len(self._held)
 
-    def hold(self, er: EngineRank, msg: P.Hold) -> None:
-        """Hold a request's blocks for its consumers, or renew the lease of one held already."""
+    def check(self, er: EngineRank, msg: P.Hold, also_new: int = 0) -> bool:
+        """What `hold` would refuse (RequestError), without holding; True for a new hold.
+        `also_new`: new holds of the same rank applied before this one (a batch's)."""
         if msg.lease_s > self._max_lease_s:
             raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self._max_lease_s}]")
+        if (er.engine_id, er.tp_rank, msg.request_id) in self._held:
+            return False
+        _check_block_ids(er, msg.block_ids)
+        held = self._per_rank.get(er.key, 0) + also_new
+        if held >= self._max_per_rank:
+            raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} holds {held} requests "
+                                              f"(max_holds_per_engine {self._max_per_rank})")
+        return True
+
+    def hold(self, er: EngineRank, msg: P.Hold) -> asyncio.Future[HeldDigests] | None:
+        """Hold a request's blocks for its consumers, or renew the lease of one held already.
+        Returns the new hold's digests while they are computed (the integrity audit), else None."""
+        self.check(er, msg)  # before anything is kept: a refused hold leaves nothing
         now = time.monotonic()
         key = (er.engine_id, er.tp_rank, msg.request_id)
         held = self._held.get(key)
+        digests = None
         if held is None:
-            _check_block_ids(er, msg.block_ids)  # before anything is kept: a refused hold leaves nothing
-            digests = None
+            self._per_rank[er.key] = self._per_rank.get(er.key, 0) + 1
             if self._integrity_audit if msg.digest is None else msg.digest:
-                t0 = time.perf_counter()
-                digests = HeldDigests.of(er, msg.block_ids)
-                self._recorder.digested("hold", int(digests.rows[:, 1].sum()), time.perf_counter() - t0)
-            held = self._held[key] = Held(er, msg.request_id, now + msg.lease_s, now, msg.block_ids, digests=digests)
+                digests = asyncio.ensure_future(self._digest_hold(er, msg.block_ids))
+                digests.add_done_callback(_log_failure)
+            held = self._held[key] = Held(er, msg.request_id, 0.0, now, msg.block_ids, digests=digests)
             early = self._early.pop(key, None)
             if early is not None:
-                held.count, held.expected = early.count, early.expected
-            self._end_if_consumed(held)
-        else:
-            held.deadline = now + msg.lease_s
-        if self._held.get(key) is held:
-            heapq.heappush(self._leases, (held.deadline, next(self._seq), held))
+                held.count, held.expected, held.notifiers = early.count, early.expected, early.senders
+        held.lease_until = now + msg.lease_s  # a renewal never ends a hold before a pin it granted
+        self._settle(held, now)
         self._recorder.holds_now(len(self._held))
+        return digests
 
-    def on_notification(self, data: bytes) -> None:
+    def on_notification(self, sender: str, data: bytes) -> None:
+        """A peer's notification; `sender` is the agent name NIXL reports it under. Counted only
+        from an agent that handshook for the engine it names (anyone who can reach our NIXL
+        agent can send one); others are dropped and counted `unauthorized`."""
         n = hs.decode_notification(data)
         if n is None:
             self._recorder.notification_received("malformed")
             return
+        notifier = (n.engine_id, sender)
+        if notifier not in self._notifiers:
+            self._recorder.notification_received("unauthorized")
+            if len(self._refused_senders) < 1024 and sender not in self._refused_senders:
+                self._refused_senders.add(sender)  # logged once per sender: a flood is counted, not logged
+                log.warning("notification from agent %r for engine %s rank %d request %s dropped: that agent "
+                            "never handshook for the engine", sender[:256], n.engine_id, n.tp_rank, n.request_id)
+            return
+        self._notifiers.move_to_end(notifier)
         key = (n.engine_id, n.tp_rank, n.request_id)
         held = self._held.get(key)
         if held is None:
@@ -165,29 +259,57 @@ class Holds:
                 log.warning("notification for unknown engine %s rank %d request %s dropped",
                             n.engine_id, n.tp_rank, n.request_id)
                 return
+            if key not in self._early and len(self._early) >= MAX_EARLY:  # oldest first: it waited longest
+                dropped = self._early.pop(next(iter(self._early)))
+                self._recorder.early_notifications_dropped(dropped.count)
             early = self._early.setdefault(key, Early(0, n.expected, time.monotonic()))
             early.count, early.expected = early.count + 1, n.expected
+            early.senders.add(sender)
             self._recorder.notification_received("early")
             return
         self._recorder.notification_received("consumer")
         held.count += 1
         held.expected = n.expected
-        self._end_if_consumed(held)
+        held.notifiers.add(sender)
+        # One daemon may run several reads of this hold (decode ranks reading one prefill rank):
+        # a notification is one of them, not all. Its pin stays until every consumer is done.
+        if held.consumed:
+            for agent in held.notifiers:
+                held.pins.pop(agent, None)
+        self._settle(held, time.monotonic())
         self._recorder.holds_now(len(self._held))
 
-    def _forget(self, key: HoldKey) -> None:
-        """A hold ended: an audit that names it now is refused, not told to wait for it."""
+    def _forget(self, held: Held, outcome: HoldOutcome) -> None:
+        """A hold ended: an audit or a claim that names it now is refused, not told to wait for it."""
+        key = held.key
         del self._held[key]
-        self._ended[key] = None
+        rank = key[:2]
+        self._per_rank[rank] -= 1
+        if not self._per_rank[rank]:
+            del self._per_rank[rank]
+        self._recorder.hold_ended(outcome)
+        before = self._ended.pop(key, None)  # to the end of the line: it ended last
+        # held again after it ended without being sent: it stays "ended" (blocks may have been reused)
+        self._ended[key] = before if before is not None and before[0] != "sent" else \
+            (outcome, frozenset(held.notifiers), held.engine.epoch)
         if len(self._ended) > RECENTLY_ENDED:
             del self._ended[next(iter(self._ended))]
 
-    def _end_if_consumed(self, held: Held) -> None:
-        if held.consumed:
-            self._forget(held.key)
-            self._recorder.hold_ended("sent")
-            held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids,
-                                              seconds=time.monotonic() - held.since))
+    def _settle(self, held: Held, now: float) -> None:
+        """When a hold ends: its lease or its last pin, whichever is later; once consumed, its
+        last pin (a claiming daemon may still read), or now when none is left."""
+        pinned = max((t for t in held.pins.values() if t > now), default=0.0)
+        if held.consumed and not pinned:
+            self._end_sent(held, now)
+            return
+        deadline = pinned if held.consumed else max(held.lease_until, pinned)
+        if deadline != held.deadline:
+            held.deadline = deadline
+            heapq.heappush(self._leases, (deadline, next(self._seq), held))
+
+    def _end_sent(self, held: Held, now: float) -> None:
+        self._forget(held, "sent")
+        held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids, seconds=now - held.since))
 
     def expire(self, now: float) -> None:
         """End holds whose lease passed; forget early notifications older than any lease."""
@@ -195,8 +317,10 @@ class Holds:
             deadline, _, held = heapq.heappop(self._leases)
             if self._held.get(held.key) is not held or held.deadline != deadline:
                 continue  # ended already, or renewed (its newer entry is still in the heap)
-            self._forget(held.key)
-            self._recorder.hold_ended("expired")
+            if held.consumed:  # its consumers are done; the pins that kept it passed
+                self._end_sent(held, now)
+                continue
+            self._forget(held, "expired")
             log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d", held.engine.engine_id,
                         held.engine.tp_rank, held.request_id, held.count, held.expected)
             held.engine.complete(P.Completion(
@@ -220,8 +344,7 @@ class Holds:
         until = 0.0
         for held in [h for h in self._held.values() if h.engine.key == er]:
             until = max(until, held.deadline)
-            self._forget(held.key)
-            self._recorder.hold_ended("dropped")
+            self._forget(held, "dropped")
         self._recorder.holds_now(len(self._held))
         return until
 
@@ -235,12 +358,61 @@ class Holds:
         if not ranks:
             self._recorder.handshake_answered("unknown_engine")
             return hs.HandshakeReply(False, f"engine {req.engine_id!r} is not registered with this daemon")
+        metadata = self._nixl.partial_metadata([(m.address, m.nbytes, m.kind, m.device)
+                                                for e in ranks for m in e.mappings])
+        if req.requester:  # its notifications for this engine count from now on
+            self._notifiers[(req.engine_id, req.requester)] = None
+            self._notifiers.move_to_end((req.engine_id, req.requester))
+            if len(self._notifiers) > MAX_NOTIFIERS:
+                self._notifiers.popitem(last=False)
         self._recorder.handshake_answered("ok")
-        return hs.HandshakeReply(True, agent=self._nixl.name, metadata=self._nixl.metadata(),
-                                 ranks=[e.rank_info() for e in ranks])
+        return hs.HandshakeReply(True, agent=self._nixl.name, metadata=metadata[0],
+                                 ranks=[e.rank_info() for e in ranks], more_metadata=metadata[1:],
+                                 epoch=ranks[0].epoch)
 
-    def answer_audit(self, req: hs.AuditRequest) -> hs.AuditReply:
-        """A consumer asks for the digests of the rows it read, and whether the blocks changed."""
+    def answer_lease(self, req: hs.LeaseRequest) -> hs.LeaseReply:
+        """A decode daemon's claims on holds it reads or will read (see the module's doc)."""
+        if req.version != hs.LEASE_VERSION:
+            return hs.LeaseReply(False, f"lease version {req.version} unsupported (this daemon speaks "
+                                        f"{hs.LEASE_VERSION})", seq=req.seq)
+        now = time.monotonic()
+        answers = [self._claim(c, req.requester, req.extend_s, req.release, now) for c in req.claims]
+        self._recorder.claims_answered(len(answers))
+        return hs.LeaseReply(True, seq=req.seq, answers=answers, agent=self._nixl.name)
+
+    def _claim(self, c: hs.Claimed, requester: str, extend_s: float, release: bool, now: float) -> hs.ClaimAnswer:
+        key = (c.engine_id, c.tp_rank, c.request_id)
+        ended = self._ended.get(key)
+        if ended is not None:  # also when held again since: its blocks may have been reused meanwhile
+            outcome, notifiers, epoch = ended
+            if outcome == "sent" and requester in notifiers:
+                return hs.ClaimAnswer("consumed", epoch=epoch)
+            return hs.ClaimAnswer("ended")
+        held = self._held.get(key)
+        if held is None:
+            return hs.ClaimAnswer("pending" if self._engines.knows((c.engine_id, c.tp_rank)) else "ended")
+        if release:  # the claimer is done with it (its read failed, or it went): the lease decides again
+            if held.pins.pop(requester, None) is not None:
+                self._settle(held, now)
+            return hs.ClaimAnswer("held" if self._held.get(key) is held else "consumed", epoch=held.engine.epoch)
+        if requester not in held.pins and len(held.pins) >= MAX_PINS:
+            # not pinned: another consumer's notification may end it
+            return hs.ClaimAnswer("held", 0.0, held.engine.epoch)
+        # demand keeps it alive, up to a bound; never less than it lives already
+        until = max(min(now + extend_s, held.since + self._max_lease_s), held.deadline, held.pins.get(requester, 0.0))
+        held.pins[requester] = until
+        self._settle(held, now)
+        return hs.ClaimAnswer("held", max(until - now, 0.0), held.engine.epoch)
+
+    async def _digest_hold(self, er: EngineRank, block_ids: list[list[int]]) -> HeldDigests:
+        """The held blocks' digests, computed on the digest thread (the hold is answered at once)."""
+        digests, seconds = await self._digester.run(er, functools.partial(HeldDigests.of, er, block_ids))
+        self._recorder.digested("hold", int(digests.rows[:, 1].sum()), seconds)
+        return digests
+
+    def answer_audit(self, req: hs.AuditRequest) -> hs.AuditReply | Awaitable[hs.AuditReply]:
+        """A consumer asks for the digests of the rows it read, and whether the blocks changed.
+        Refusals are answered at once; the digesting happens on the digest thread."""
         if req.version != hs.HANDSHAKE_VERSION:
             return hs.AuditReply(False, f"side-channel version {req.version} unsupported")
         held = self._held.get((req.engine_id, req.tp_rank, req.request_id))
@@ -258,27 +430,28 @@ class Holds:
                                         "prefill daemon and the hold did not ask for them)")
         if len(req.rows) % 16:
             return hs.AuditReply(False, f"audit rows are {len(req.rows)} bytes, not whole (address, length) pairs")
-        rows = np.frombuffer(req.rows, "<i8").reshape(-1, 2)
-        held_bytes = int(held.digests.rows[:, 1].sum())
-        unaligned = int(np.count_nonzero((rows[:, 0] % 8 != 0) | (rows[:, 1] % 8 != 0)))
-        if unaligned > MAX_UNALIGNED_AUDIT_ROWS:
-            return hs.AuditReply(False, f"audit of {unaligned} rows not in whole 8-byte words "
-                                        f"(at most {MAX_UNALIGNED_AUDIT_ROWS})")
-        outside = integrity.outside_spans(held.digests.rows, rows)
-        if outside >= 0:  # a consumer may ask for the bytes of the blocks it read, nothing else
-            return hs.AuditReply(False, f"audit row {outside} ({int(rows[outside, 0]):#x}, {int(rows[outside, 1])} B) "
-                                        f"lies outside {where}'s blocks")
-        asked_bytes = sum(int(n) for n in rows[:, 1].tolist())  # Python ints: no wrap
-        if asked_bytes > held_bytes:
-            return hs.AuditReply(False, f"audit rows cover more bytes than {where} holds ({held_bytes} B)")
-        t0 = time.perf_counter()
+        if not req.rows:
+            return hs.AuditReply(False, "an audit must name the rows it read")
+        if self._audits >= MAX_PENDING_AUDITS or held.audits >= MAX_AUDITS_PER_HOLD:
+            return hs.AuditReply(False, f"{self._audits} audits pending ({held.audits} of {where})", retry=True)
+        self._audits += 1
+        held.audits += 1
+        return self._audit(held, req.rows, where)
+
+    async def _audit(self, held: Held, raw_rows: bytes, where: str) -> hs.AuditReply:
+        assert held.digests is not None
         try:
-            digests = integrity.digest_rows(held.engine.mappings, rows)
-        except integrity.AuditError as exc:
-            return hs.AuditReply(False, str(exc))
-        reused = held.digests.reused(held.engine, len(held.engine.geometry.groups))
-        self._recorder.digested("audit", held_bytes + asked_bytes, time.perf_counter() - t0)  # read + held
-        return hs.AuditReply(True, digests=digests.astype("<u8").tobytes(), reused=reused)
+            when_held = await held.digests
+            (reply, nbytes), seconds = await self._audit_digester.run(
+                held.engine, functools.partial(_audit_rows, held.engine, when_held, raw_rows, where))
+        except Exception as exc:
+            return hs.AuditReply(False, f"digesting {where}'s blocks failed: {exc}")
+        finally:
+            self._audits -= 1
+            held.audits -= 1
+        if nbytes:
+            self._recorder.digested("audit", nbytes, seconds)
+        return reply
 
     def status(self, now: float, limit: int) -> list[P.HoldStatus]:
         """The `limit` oldest holds."""

@@ -21,9 +21,12 @@ engine's blocks are digested on their device and only 8 bytes per row cross to t
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +40,43 @@ LONG_ROW_WORDS = 512  # rows this long (4 KiB) are digested in place one by one;
 
 class AuditError(ValueError):
     """Rows that do not lie inside the memory they name."""
+
+
+T = TypeVar("T")
+
+
+class Digester:
+    """Runs digests on a thread of their own. They read engine memory for as long as its bytes
+    take (seconds for a long prompt's blocks), so never on the daemon's loop; one at a time,
+    since memory bandwidth is what they spend (numpy releases the GIL for the arithmetic).
+
+    Each job names the engine rank whose memory it reads; the rank counts it (`digesting`) until
+    the thread is done with it, even if whoever awaited it stopped waiting, so its memory is not
+    unmapped under the thread. The daemon keeps two: one for its engines' work (holds, reads
+    checked) and one for peers' audits, so that neither side can starve the other."""
+
+    def __init__(self, name: str = "digest") -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-{name}")
+        self.pending = 0  # jobs queued or running
+
+    async def run(self, rank: Any, job: Callable[[], T]) -> tuple[T, float]:
+        """`job()`'s result and the seconds it ran (not counting the wait for the thread)."""
+        def timed() -> tuple[T, float]:
+            t0 = time.perf_counter()
+            return job(), time.perf_counter() - t0
+
+        def done(_: object) -> None:
+            self.pending -= 1
+            rank.digesting -= 1
+
+        self.pending += 1
+        rank.digesting += 1
+        running = asyncio.get_running_loop().run_in_executor(self._pool, timed)
+        running.add_done_callback(done)
+        return await asyncio.shield(running)  # a waiter that gives up leaves the job to finish
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def weights(words: int) -> np.ndarray:

@@ -41,19 +41,19 @@ class Lane:
 
     Peers are loaded on the lane's thread before its first slice for them (a handshake does
     not wait for the lanes), and forgotten there too: `_known` is the thread's alone. A peer
-    daemon serving several engines answers each engine's handshake with metadata naming the
-    memory registered by then, under the same agent name: a slice carrying newer metadata than
-    the lane loaded loads it again.
+    daemon serving several engines answers each engine's handshake with metadata naming that
+    engine's memory alone, under the same agent name: a slice carrying metadata the lane has not
+    loaded yet loads it, and NIXL adds that memory to what the lane had loaded for the agent.
     """
 
     def __init__(self, index: int, driver: NixlDriver) -> None:
         self.index = index
         self.nixl = driver
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-lane{index}")
-        self._known: dict[str, bytes] = {}  # peer agent -> the metadata this lane's agent loaded
+        self._known: dict[str, set[bytes]] = {}  # peer agent -> the metadata this lane's agent loaded
 
     def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-             peer: str, metadata: bytes, on_posted: Callable[[], None]) -> Future[XferHandle]:
+             peer: str, metadata: tuple[bytes, ...], on_posted: Callable[[], None]) -> Future[XferHandle]:
         """Post on this lane's thread; `on_posted` then runs on the calling event loop (with CMA
         the slice is DONE by then, so the loop need not spin for it)."""
         loop = asyncio.get_running_loop()
@@ -62,14 +62,15 @@ class Lane:
         return posting
 
     def _post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-              peer: str, metadata: bytes) -> XferHandle:
-        loaded = self._known.get(peer)
-        if loaded is not metadata and loaded != metadata:
-            try:
-                self.nixl.add_peer(metadata)
-            except Exception as exc:
-                raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
-            self._known[peer] = metadata
+              peer: str, metadata: tuple[bytes, ...]) -> XferHandle:
+        loaded = self._known.setdefault(peer, set())
+        for blob in metadata:
+            if blob not in loaded:
+                try:
+                    self.nixl.add_peer(blob)
+                except Exception as exc:
+                    raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
+                loaded.add(blob)
         return self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
 
     def forget(self, peer: str) -> None:
@@ -154,6 +155,10 @@ class Lanes:
         """The daemon's agent dropped a peer: each lane drops it too, after what it has queued."""
         for lane in self.lanes:
             lane.forget(agent)
+
+    def remote_agents(self) -> int:
+        """Remote agents loaded on the lanes' agents, all lanes together (status: a leak shows)."""
+        return sum(len(lane.nixl.remote_agents) for lane in self.lanes)
 
     def close(self) -> None:
         for lane in self.lanes:

@@ -5,9 +5,56 @@ from __future__ import annotations
 import json
 import logging
 import time
+from types import TracebackType
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape(text: str) -> str:
+    """`text` with control characters (C0, DEL, C1, line and bidi controls: everything not printable)
+    written as repr-style escapes (\\n, \\x1b), so strings from engines and peers cannot move the
+    cursor, recolour an operator's terminal or start a line of their own."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch in _NAMED:
+            out.append(_NAMED[ch])
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            n = ord(ch)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)
+
+
+class TextFormatter(logging.Formatter):
+    """One record, one line: the message is escaped (ids off the wire can hold newlines that would
+    forge a record of their own); a traceback keeps its lines, each indented so none can pass for
+    a record."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escape(super().formatMessage(record))
+
+    def formatException(self, ei: ExcInfo) -> str:
+        return _indent(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indent(super().formatStack(stack_info))
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  | " + escape(line) for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
+    # Safe as it is: json.dumps escapes every control character (and, ensure_ascii, all non-ASCII).
     def format(self, record: logging.LogRecord) -> str:
         entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
                  "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
@@ -19,8 +66,7 @@ class JsonFormatter(logging.Formatter):
 
 def setup(fmt: str = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

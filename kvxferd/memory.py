@@ -8,7 +8,9 @@ engine keeps owning its memory in both cases.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
@@ -25,10 +27,33 @@ class MappingError(RuntimeError):
     """Engine memory could not be mapped; the message names the buffer."""
 
 
-def create_shm(nbytes: int, name: str = "kvxferd-kv") -> tuple[int, mmap.mmap]:
-    """Engine side: a shareable host buffer (memfd) and the engine's own mapping of it."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs, where MFD_HUGETLB-less memfds live
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+
+def fs_type(fd: int) -> int:
+    """The statfs magic of the filesystem an fd's file lives on (-1 if unknown)."""
+    buf = _StatFs()
+    if ctypes.CDLL(None, use_errno=True).fstatfs(fd, ctypes.byref(buf)) != 0:
+        return -1
+    return int(buf.f_type)
+
+
+def sealed_memfd(nbytes: int, name: str = "kvxferd-kv") -> int:
+    """Engine side: a memfd of `nbytes`, sealed against shrinking (the daemon refuses one that is
+    not: pages cut off under its mapping would kill it with SIGBUS on the next read)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def create_shm(nbytes: int, name: str = "kvxferd-kv") -> tuple[int, mmap.mmap]:
+    """Engine side: a shareable host buffer (sealed memfd) and the engine's own mapping of it."""
+    fd = sealed_memfd(nbytes, name)
     return fd, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
@@ -60,6 +85,17 @@ class Mapping:
 def map_shm(fd: int, nbytes: int) -> Mapping:
     """Daemon side: map an engine's memfd. The fd is closed; the mapping keeps the pages."""
     try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd: nothing stops its owner truncating it
+        if fs_type(fd) != TMPFS_MAGIC:  # hugetlbfs memfds let a punched hole SIGBUS us despite the seal
+            raise MappingError("shared memory fd must be a memfd on tmpfs (a hugetlb memfd can lose pages "
+                               "under the daemon's mapping whatever its seals)")
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise MappingError("shared memory fd must be a memfd sealed against shrinking (F_SEAL_SHRINK; "
+                               "kvxferd.memory.sealed_memfd makes one): its owner could cut pages from under "
+                               "the daemon's mapping")
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise MappingError(f"shared memory fd holds {size} B, engine declared {nbytes} B")
@@ -145,13 +181,19 @@ def _map(handle: Any, nbytes: int, device: int) -> int:
     cu = _cu()
     gran = _check(cu.cuMemGetAllocationGranularity(
         _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
-    ptr = _check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve")
-    _check(cu.cuMemMap(ptr, nbytes, 0, handle, 0), "cuMemMap")
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = device
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    _check(cu.cuMemSetAccess(ptr, nbytes, [access], 1), "cuMemSetAccess")
+    # Each step that succeeds queues its undo: a later failure (an engine can declare a size its
+    # allocation does not have) gives back the address range, not leaks it for the daemon's life.
+    with contextlib.ExitStack() as undo:
+        ptr = _check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve")
+        undo.callback(cu.cuMemAddressFree, ptr, nbytes)
+        _check(cu.cuMemMap(ptr, nbytes, 0, handle, 0), "cuMemMap")
+        undo.callback(cu.cuMemUnmap, ptr, nbytes)
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check(cu.cuMemSetAccess(ptr, nbytes, [access], 1), "cuMemSetAccess")
+        undo.pop_all()  # mapped: the caller owns it now
     return int(ptr)
 
 
@@ -171,7 +213,11 @@ class VmmBuffer:
         cu = _cu()
         self.nbytes, self.device = vmm_size(nbytes, device), device
         self.handle = _check(cu.cuMemCreate(self.nbytes, _prop(device), 0), "cuMemCreate")
-        self.address = _map(self.handle, self.nbytes, device)
+        try:
+            self.address = _map(self.handle, self.nbytes, device)
+        except BaseException:
+            cu.cuMemRelease(self.handle)  # not mapped: nothing else holds the allocation
+            raise
 
     def export(self) -> int:
         cu = _cu()
@@ -212,7 +258,11 @@ def map_cuda_vmm(fd: int, nbytes: int, device: int) -> Mapping:
         handle = _check(cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "cuMemImportFromShareableHandle")
-        address = _map(handle, nbytes, device)
+        try:
+            address = _map(handle, nbytes, device)
+        except BaseException:
+            cu.cuMemRelease(handle)  # the imported handle would keep the engine's GPU memory alive
+            raise
     finally:
         os.close(fd)
     return Mapping("VRAM", address, nbytes, device, _VmmKeep(address, nbytes, handle))

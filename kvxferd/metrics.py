@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -17,6 +18,8 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import __version__
+
+log = logging.getLogger(__name__)
 
 disable_created_metrics()  # *_created series only add noise to every dashboard query
 
@@ -83,12 +86,80 @@ class Metrics:
                                    registry=r)
         self.nixl_xfer = Histogram("kvxferd_nixl_transfer_seconds", "NIXL transfer time per transfer",
                                    buckets=_LATENCY, registry=r)
-        self.peers = Gauge("kvxferd_peers", "Peer daemons with a live handshake", registry=r)
+        self.peers = Gauge("kvxferd_peers", "Remote engines known, by state (handshaking, ready, retired: "
+                           "lists kept while reads use them)", ["state"], registry=r)
+        self.peers_retired = Counter("kvxferd_peers_retired", "Peers retired, by reason (posting_failed, silent, "
+                                     "engine_gone, restarted, idle)", ["reason"], registry=r)
+        self.peer_probes = Counter("kvxferd_peer_probes", "Liveness probes of peers, by outcome (alive, "
+                                   "epoch_unknown, engine_gone, restarted, no_answer)", ["outcome"], registry=r)
+        self.remote_agents = Gauge("kvxferd_nixl_remote_agents", "NIXL remote agents the daemon's agent has "
+                                   "loaded (one per peer daemon in use)", registry=r)
         self.rejected = Counter("kvxferd_rejected_connections", "Engine connections refused, by reason",
                                 ["reason"], registry=r)
+        self.accept_errors = Counter("kvxferd_accept_errors", "Failed accepts on the engine socket, by errno "
+                                     "(EMFILE: out of fds; the socket keeps serving once fds free up)",
+                                     ["errno"], registry=r)
+        self.lease_claims = Counter("kvxferd_lease_claims", "Claims on prefill holds: asked by this daemon as "
+                                    "decode (answered, unanswered), answered as prefill", ["side", "outcome"],
+                                    registry=r)
+        self.claims_open = Gauge("kvxferd_lease_claims_open", "Prefill holds this daemon claims (its reads and "
+                                 "engines' expectations need them)", registry=r)
+        self.reads_expected = Counter("kvxferd_reads_expected", "Reads engines announced before their blocks "
+                                      "were allocated (their prefill holds kept alive meanwhile)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Caps on a request's head: a client is a scraper or a probe, never one that needs more.
+_LINE_MAX = 8192  # bytes in the request line or one header line
+_HEADERS_MAX = 100  # header lines
+_HEAD_MAX = 32768  # bytes of headers in all
+_HEAD_S = 10.0  # to send the whole head (one header every few seconds cannot hold a connection forever)
+
+
+class _Refused(Exception):
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """The request line, once the headers after it are read (and dropped); _Refused past a cap."""
+    async with asyncio.timeout(_HEAD_S):
+        try:
+            request = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            raise _Refused("400 Bad Request") from None  # request line over _LINE_MAX
+        count = size = 0
+        while True:
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.LimitOverrunError:
+                raise _Refused("431 Request Header Fields Too Large") from None
+            except asyncio.IncompleteReadError:
+                return request  # the client half-closed after its head: answered, as before
+            if line in (b"\r\n", b"\n"):
+                return request
+            count, size = count + 1, size + len(line)
+            if count > _HEADERS_MAX or size > _HEAD_MAX:
+                raise _Refused("431 Request Header Fields Too Large")
+
+
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
+    writer.write(f"HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {len(status) + 1}\r\n"
+                 f"Connection: close\r\n\r\n{status}\n".encode())
+    await writer.drain()
+    writer.write_eof()
+    # Read and drop what the client still sends, for a moment: closing with unread bytes sends an RST,
+    # which can destroy the answer before the client reads it.
+    try:
+        async with asyncio.timeout(2):
+            budget = 1 << 20
+            while budget > 0 and (chunk := await reader.read(65536)):
+                budget -= len(chunk)
+    except TimeoutError:
+        pass
 
 
 async def serve_http(metrics: Metrics, host: str, port: int, ready: Callable[[], bool]) -> asyncio.Server:
@@ -96,9 +167,11 @@ async def serve_http(metrics: Metrics, host: str, port: int, ready: Callable[[],
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
+            try:
+                line = await _read_head(reader)
+            except _Refused as exc:
+                await _refuse(reader, writer, exc.status)
+                return
             parts = line.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) > 1 else ""
             if path == "/metrics":
@@ -114,9 +187,12 @@ async def serve_http(metrics: Metrics, host: str, port: int, ready: Callable[[],
             writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          "Connection: close\r\n\r\n".encode() + body)
             await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client stalled or left: nobody to answer
+        except Exception:  # a bug here must not end the exporter nor surface as an unretrieved task error
+            log.warning("metrics HTTP request failed", exc_info=True)
         finally:
             writer.close()
 
-    return await asyncio.start_server(handle, host, port)
+    # limit: a line longer than _LINE_MAX raises LimitOverrunError in readuntil (answered, not raised)
+    return await asyncio.start_server(handle, host, port, limit=_LINE_MAX)

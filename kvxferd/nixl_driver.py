@@ -5,6 +5,13 @@ registers the memory of every engine rank the daemon serves. Every call happens 
 daemon's event-loop thread, so the agent runs without a listener thread and without
 thread synchronisation. The agent name carries a random epoch, so a restarted daemon
 never matches metadata cached by its peers.
+
+Peers learn only the memory they asked for: a handshake for one engine carries metadata for
+that engine's registrations alone (`partial_metadata`), so a peer holds no remote key for any
+other engine's memory and NIXL refuses a READ naming it (NIXL_ERR_NOT_FOUND, verified with
+NIXL 1.5.1). Loading metadata for an agent already known adds the registrations it names to
+those loaded before (duplicates are skipped, connection info must match): a second engine's
+handshake extends what a peer may read, it replaces nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Literal, NewType
 
@@ -57,13 +65,17 @@ class NixlDriver:
         this agent (NIXL serializes its calls; see lanes.py)."""
         api = nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
-        self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        # 64 random bits: peers' notifications name their sender as the sender itself declares
+        # it (holds.py trusts agents that handshook), so a name must not be guessable.
+        self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(8)}"
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    capture_telemetry=telemetry, backends=list(backends), num_threads=threads,
                                    sync_mode=sync)
         self.agent = nixl_agent(self.name, config)
         self.telemetry = telemetry
+        # Remote agents loaded and not removed: what `status` counts, so a peer leak shows.
+        self.remote_agents: set[str] = set()
 
     # --- memory ---------------------------------------------------------------
     def register(self, addr: int, nbytes: int, mem_type: MemType = "DRAM", device: int = 0) -> Registration:
@@ -75,14 +87,30 @@ class NixlDriver:
         self.agent.deregister_memory(handle)
 
     def metadata(self) -> bytes:
+        """Metadata for every registration of this agent (posting lanes' own peers only)."""
         return bytes(self.agent.get_agent_metadata())
+
+    def partial_metadata(self, buffers: Sequence[tuple[int, int, MemType, int]]) -> list[bytes]:
+        """Metadata naming only these registered buffers `(address, bytes, memory type, device)`,
+        with this agent's connection info: one blob per memory type (NIXL serializes one
+        descriptor list, of one type, at a time); the common case is one."""
+        by_type: dict[MemType, list[tuple[int, int, int, str]]] = {}
+        for addr, nbytes, mem_type, device in buffers:
+            by_type.setdefault(mem_type, []).append((addr, nbytes, device, ""))
+        return [bytes(self.agent.get_partial_agent_metadata(self.agent.get_reg_descs(descs, mem_type), True))
+                for mem_type, descs in by_type.items()]
 
     # --- peers ----------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. For an agent already loaded, NIXL adds
+        the registrations the metadata names to the ones it had (it never drops any)."""
         name = self.agent.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else name
+        name = name.decode() if isinstance(name, bytes) else name
+        self.remote_agents.add(name)
+        return name
 
     def remove_peer(self, name: str) -> None:
+        self.remote_agents.discard(name)  # a failed removal leaves nothing we could remove later
         self.agent.remove_remote_agent(name)
 
     # --- descriptor lists ------------------------------------------------------

@@ -8,9 +8,19 @@ vLLM CPU attention's transposed keys: a descriptor per key element and chunk, ~1
 cache) is not prepared: its reads post the rows each request needs (as a posting lane does).
 
 A Route is everything a read needs to post: the reads component looks it up in `routes`
-(owned here, read there) and posts without a call into this module. A peer whose READs cannot
-be posted is retired: its routes leave `routes` at once, so the next read handshakes again (a
-new agent, never stale metadata); its lists are released once no read uses them.
+(owned here, read there) and posts without a call into this module. A peer is retired when its
+READs cannot be posted, or when liveness.py finds it gone (silent, engine gone, restarted, idle):
+its routes leave `routes` at once, so the next read handshakes again (never stale metadata); its
+lists are released once no read uses them (`collect`).
+
+    handshaking --handshake ok--> ready --retire(reason)--> retired --no read uses it--> released
+         `--handshake failed: forgotten (the next read handshakes again)
+
+A handshake's metadata names the remote engine's memory only (nixl_driver.partial_metadata):
+two engines behind one peer daemon are two Peers sharing one NIXL agent, and loading the second
+one's metadata adds its memory to what the agent could read, NIXL keeping the first's. So an
+agent is shared, not owned: it is removed (from the daemon's agent and the lanes') once no other
+Peer, live or retired, names it; retiring one engine's Peer leaves the others' reads alone.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import zmq.asyncio
 
@@ -33,13 +44,22 @@ from .nixl_driver import NixlDriver, PreparedList
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
 from .plan.planner import PlanError, RankPlan, plan_rank, targets
-from .recorder import Recorder
+from .recorder import PeerState, Recorder, RetireReason
 
 log = logging.getLogger("kvxferd")
 
 PeerKey = tuple[str, str, int]  # (remote engine id, side-channel host, port)
 RouteKey = tuple[PeerKey, EngineKey]
 PREPARED_DESCRIPTORS_MAX = 1 << 23  # local + remote, per remote rank: above, reads post explicit rows
+
+
+def over_budget(plan: RankPlan, max_descriptors: int) -> str:
+    """Why a plan takes more descriptors than a route may (in Python ints: no wrap), or ""."""
+    total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
+    if total <= max_descriptors:
+        return ""
+    return (f"{total:,} descriptors (max_plan_descriptors {max_descriptors:,}): the peer's pages are too small "
+            "for its cache")
 
 
 def peer_key(ref: P.RemoteRef) -> PeerKey:
@@ -55,11 +75,23 @@ class Peer:
     port: int
     ready: asyncio.Future[None]
     agent: str = ""
-    metadata: bytes = b""  # the peer daemon's NIXL agent metadata, from the handshake
+    # The peer daemon's NIXL agent metadata for this engine's memory, from the handshake (one
+    # blob per memory type); posting lanes load it on first use.
+    metadata: tuple[bytes, ...] = ()
     ranks: dict[int, hs.RankInfo] = field(default_factory=dict)
     since: float = 0.0  # wall time of the handshake
     handshake_s: float = 0.0
+    epoch: str = ""  # the engine's registration, from the handshake ("": a daemon before epochs)
+    heard: float = 0.0  # monotonic: its side channel last answered (handshake, probe)
+    used: float = 0.0  # monotonic: a read was last posted to it (reads.Transfer.post), or the handshake
+    probed: float = 0.0  # monotonic: the last probe began (liveness.py)
+    probing: bool = False
     retired: bool = False
+    reason: RetireReason | None = None  # why it was retired
+
+    @property
+    def state(self) -> PeerState:
+        return "retired" if self.retired else "ready" if self.ready.done() else "handshaking"
 
     @property
     def key(self) -> PeerKey:
@@ -105,8 +137,9 @@ class Route:
 
 class Peers:
     def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
-                 curve: hs.CurveKeys | None, lanes: Lanes) -> None:
+                 curve: hs.CurveKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27) -> None:
         self._ctx = ctx
+        self._max_plan_descriptors = max_plan_descriptors
         self._nixl = nixl
         self._lanes = lanes
         self._recorder = recorder
@@ -134,6 +167,15 @@ class Peers:
         """Ask the peer's side channel for the digests of rows a read took from it."""
         return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._curve)
 
+    async def probe(self, peer: Peer, timeout_s: float) -> hs.ProbeReply:
+        """Ask the peer's side channel whether its engine is still registered, and as which epoch."""
+        return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
+                              self._curve)
+
+    def ready(self) -> list[Peer]:
+        """Live peers whose handshake is done (what liveness.py watches)."""
+        return [p for p in self._peers.values() if p.ready.done()]
+
     async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(peer_key(ref))
@@ -141,6 +183,7 @@ class Peers:
             peer = self._peers[peer_key(ref)] = Peer(ref.engine_id, ref.host, ref.port,
                                                      asyncio.get_running_loop().create_future())
             asyncio.get_running_loop().create_task(self._handshake(peer))
+            self._changed()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError()
@@ -152,15 +195,23 @@ class Peers:
         try:
             reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
                                      self._nixl.name, self._curve)
-            ranks = {r.tp_rank: r for r in reply.ranks}
-            for r in ranks.values():
-                validate(r.geometry)
-            peer.agent = self._nixl.add_peer(reply.metadata)
-            peer.metadata = reply.metadata  # posting lanes load it on first use
+            # A peer's geometry is checked, and its compatibility hash recomputed from it: the
+            # hash the peer sent is not evidence of anything.
+            ranks = {r.tp_rank: msgspec.structs.replace(r, compat_hash=hs.compat_hash(validate(r.geometry)))
+                     for r in reply.ranks}
+            metadata = reply.all_metadata
+            if not metadata:
+                raise hs.HandshakeError("malformed", f"{peer.address} sent no NIXL metadata")
+            for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
+                peer.agent = self._nixl.add_peer(blob)
+            peer.metadata = metadata  # posting lanes load it on first use
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
+            peer.epoch, peer.heard = reply.epoch, time.monotonic()
+            peer.used = peer.probed = peer.heard
             self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
-            self._recorder.peers_now(len(self._peers))
             peer.ready.set_result(None)
+            self._retire_older(peer)
+            self._changed()
         except Exception as exc:
             err = exc if isinstance(exc, hs.HandshakeError) else hs.HandshakeError("invalid", str(exc))
             self._recorder.handshake_ran(peer.engine_id, time.perf_counter() - t0, err.reason)
@@ -168,8 +219,20 @@ class Peers:
                         err.reason, err)
             if self._peers.get(peer.key) is peer:
                 del self._peers[peer.key]
+            self._drop_agent(peer)
             peer.ready.set_exception(err)
             peer.ready.exception()  # mark retrieved: waiters each get it through their shield
+            self._changed()
+
+    def _retire_older(self, peer: Peer) -> None:
+        """A handshake met the engine under a new epoch: a Peer of its old registration (reached by
+        another address, same agent) is stale."""
+        if not peer.epoch:
+            return
+        for other in self.ready():
+            if (other is not peer and other.engine_id == peer.engine_id and other.agent == peer.agent
+                    and other.epoch and other.epoch != peer.epoch):
+                self.retire(other, f"a handshake met epoch {peer.epoch}, not {other.epoch}", "restarted")
 
     def _build(self, peer: Peer, er: EngineRank) -> Route:
         """Plan `er` reading `peer` and prepare the descriptor lists of every remote rank it reads."""
@@ -183,7 +246,9 @@ class Peers:
             if why := hs.weights_mismatch(er.geometry, peer.ranks[r].geometry):
                 raise PlanError(why)
         t0 = time.perf_counter()
-        plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})
+        plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})  # counts, no arrays yet
+        if why := over_budget(plan, self._max_plan_descriptors):  # tiny pages over a huge cache: not built
+            raise PlanError(f"reading {peer.engine_id} for engine {er.engine_id} rank {er.tp_rank}: {why}")
         log.info("planned engine %s rank %d <- %s ranks %s in %.1f ms", er.engine_id, er.tp_rank,
                  peer.engine_id, list(plan.peers), (time.perf_counter() - t0) * 1e3)
         links: dict[int, Link] = {}
@@ -215,27 +280,31 @@ class Peers:
         return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
 
     # --- retirement and release -----------------------------------------------
-    def retire(self, peer: Peer, why: str) -> None:
+    def retire(self, peer: Peer, why: str, reason: RetireReason = "posting_failed") -> None:
         """Forget a peer: the next read handshakes again. Its lists wait for `collect`."""
         if peer.retired:
             return
-        peer.retired = True
+        peer.retired, peer.reason = True, reason
         if self._peers.get(peer.key) is peer:
             del self._peers[peer.key]
         for key in [k for k, r in self.routes.items() if r.peer is peer]:
             self._retired[self.routes.pop(key)] = peer
         self._retired_peers.append(peer)
-        self._recorder.peers_now(len(self._peers))
-        log.warning("peer %s at %s retired: %s", peer.engine_id, peer.address, why)
+        self._recorder.peer_retired(reason)
+        self._changed()
+        log.warning("peer %s at %s retired (%s): %s", peer.engine_id, peer.address, reason, why)
 
     def collect(self, in_use: Callable[[Route], bool]) -> None:
-        """Release the lists of retired routes no read uses; remove agents of peers fully released."""
+        """Release the lists of retired routes no read uses; drop the agents of peers fully released."""
         for route in [r for r in self._retired if not in_use(r)]:
             del self._retired[route]
             self._release(route.links.values())
-        for peer in [p for p in self._retired_peers if p not in self._retired.values()]:
+        released = [p for p in self._retired_peers if p not in self._retired.values()]
+        for peer in released:
             self._retired_peers.remove(peer)
-            self._remove_agent(peer)
+            self._drop_agent(peer)
+        if released:
+            self._changed()
 
     def forget_engine(self, er: EngineKey) -> None:
         """A local rank is being released: drop its routes (no read uses them any more)."""
@@ -249,12 +318,13 @@ class Peers:
         """Shutdown: release every list and remove every agent."""
         for route in [*self.routes.values(), *self._retired]:
             self._release(route.links.values())
-        for peer in [*self._peers.values(), *self._retired_peers]:
-            self._remove_agent(peer)
+        for agent in {p.agent for p in [*self._peers.values(), *self._retired_peers] if p.agent}:
+            self._remove_agent(agent)
         self.routes.clear()
         self._retired.clear()
         self._peers.clear()
         self._retired_peers.clear()
+        self._changed()
 
     def _release(self, links: Iterable[Link]) -> None:
         for link in list(links):
@@ -262,16 +332,33 @@ class Peers:
                 if handle is not None:
                     self._nixl.release_dlist(handle)
 
-    def _remove_agent(self, peer: Peer) -> None:
-        if peer.agent:
-            try:
-                self._nixl.remove_peer(peer.agent)
-            except Exception as exc:
-                log.warning("removing agent %s: %s", peer.agent, exc)
-            self._lanes.remove_peer(peer.agent)
+    # --- shared agents ----------------------------------------------------------
+    def _drop_agent(self, peer: Peer) -> None:
+        """`peer` (out of both collections) is done with its agent: removed unless another Peer of
+        the same daemon, live or retired, still names it."""
+        agent, peer.agent = peer.agent, ""
+        if agent and not any(p.agent == agent for p in [*self._peers.values(), *self._retired_peers]):
+            self._remove_agent(agent)
+
+    def _remove_agent(self, agent: str) -> None:
+        try:
+            self._nixl.remove_peer(agent)
+        except Exception as exc:
+            log.warning("removing agent %s: %s", agent, exc)
+        self._lanes.remove_peer(agent)
+
+    # --- what is there ----------------------------------------------------------
+    def _changed(self) -> None:
+        live = list(self._peers.values())
+        handshaking = sum(1 for p in live if not p.ready.done())
+        self._recorder.peers_now(handshaking, len(live) - handshaking, len(self._retired_peers),
+                                 len(self._nixl.remote_agents))
 
     def status(self, active: Callable[[Peer], int]) -> list[P.PeerStatus]:
-        wall = time.time()
-        return [P.PeerStatus(p.engine_id, p.address, p.agent, wall - p.since if p.since else None, p.handshake_s,
-                             sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks), active(p))
-                for p in self._peers.values()]
+        """Live peers (handshaking, ready), then retired ones whose lists reads still use."""
+        wall, now = time.time(), time.monotonic()
+        return [P.PeerStatus(p.engine_id, p.address, p.agent, wall - p.since if p.since else None,
+                             p.handshake_s, sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks),
+                             active(p), p.state, p.reason or "", p.epoch, now - p.heard if p.heard else None,
+                             now - p.used if p.used else None)
+                for p in [*self._peers.values(), *self._retired_peers]]

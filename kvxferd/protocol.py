@@ -1,4 +1,4 @@
-"""Engine <-> daemon protocol (version 4): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (version 6): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """
@@ -13,9 +13,11 @@ from msgspec import Meta
 from .plan.geometry import Geometry
 
 # 2 added `batch`, 3 the completion doorbell, 4 segment `lanes` and `stride` (a daemon that did not
-# know them would drop them and misread the memory: it refuses version 4); older clients are served
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+# know them would drop them and misread the memory: it refuses version 4), 5 the daemon's own
+# doorbell pipe (`register.doorbell_pipe`), 6 `expect` (a read announced before its blocks are
+# allocated: the prefill's holds are kept alive meanwhile); older clients are served
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -67,7 +69,10 @@ class Register(Msg, tag="register"):
     tp_size: TpSize
     geometry: Geometry
     memory: list[MemoryHandle]  # one per geometry buffer, shm fds in the same order
-    doorbell: bool = False  # protocol 3: one more fd, last: an eventfd rung when completions are queued
+    # protocol 3-4: one more fd, last, an eventfd to ring. Not rung any more: its open file is the
+    # engine's too, which can make a write to it block (the fd is closed, `registered.doorbell` false).
+    doorbell: bool = False
+    doorbell_pipe: bool = False  # protocol 5: the daemon makes the doorbell, sends its read end back
 
 
 class Unregister(Msg, tag="unregister"):
@@ -106,10 +111,20 @@ class Read(Msg, tag="read"):
     audit: bool | None = None  # check the bytes against the prefill's digests; None: integrity_audit
 
 
+class Expect(Msg, tag="expect"):
+    """Protocol 6, decode: this request will read `remote` (a `read` with the same request id
+    follows, or a release). The daemon keeps the prefill's holds alive from now until that read
+    ends, at most max_lease_s: a decode busy before it allocates blocks still finds the KV."""
+    engine_id: Name
+    tp_rank: Rank
+    request_id: Name
+    remote: RemoteRef
+
+
 class Batch(Msg, tag="batch"):
     """Protocol 2: several holds and reads in one frame, carried out in order, one result each
-    (an engine step's orders in one round trip)."""
-    items: Annotated[list[Hold | Read], Meta(max_length=4096)]
+    (an engine step's orders in one round trip). Protocol 6 adds expects."""
+    items: Annotated[list[Hold | Read | Expect], Meta(max_length=4096)]
 
 
 class Poll(Msg, tag="poll"):
@@ -131,7 +146,7 @@ class Attach(Msg, tag="attach"):
     token: Annotated[str, Meta(min_length=1, max_length=128)]
 
 
-Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery | Attach
+Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery | Attach | Expect
 
 
 class Completion(msgspec.Struct):
@@ -151,8 +166,12 @@ class Welcome(Msg, tag="welcome"):
 class Registered(Msg, tag="registered"):
     side_channel: str  # host:port that peers handshake with
     agent: str
-    doorbell: bool = False  # the daemon rings the engine's eventfd (protocol 3)
+    doorbell: bool = False  # protocol 5: a doorbell pipe's read end came with this reply (SCM_RIGHTS)
     token: str = ""  # protocol 3: what another process presents (`attach`) to act for this rank
+    # protocol 6: how long after a hold began a decode's claims may keep it. An engine that loses
+    # its daemon's connection keeps the blocks it held until then: the daemon may have vouched
+    # for them to a decode reading them.
+    max_lease_s: float = 0.0
 
 
 class Ok(Msg, tag="ok"):
@@ -187,6 +206,12 @@ class PeerStatus(msgspec.Struct):
     plans: int
     ranks: list[int]
     active: int  # reads using this peer's prepared lists
+    # handshaking; ready; retired: gone (`retired` says why), its lists kept while reads use them
+    state: Literal["handshaking", "ready", "retired"] = "ready"
+    retired: str = ""  # posting_failed, silent, engine_gone, restarted, idle
+    epoch: str = ""  # the remote engine's registration ("": a daemon before epochs)
+    heard_s: float | None = None  # since its side channel last answered (handshake or probe)
+    idle_s: float | None = None  # since a read was last posted to it
 
 
 class ReadStatus(msgspec.Struct):
@@ -220,12 +245,14 @@ class Counters(msgspec.Struct):
     sent: int = 0
     expired: int = 0
     unknown_notifs: int = 0
+    unauthorized_notifs: int = 0  # from an agent that never handshook for the engine named: dropped
     handshakes: int = 0
     handshake_failures: int = 0
     unauthenticated_peers: int = 0
     forbidden: int = 0  # requests naming a rank from a connection that may not act for it
     integrity_failures: int = 0  # audited reads whose bytes did not match the prefill's digests
     quarantined: int = 0  # reads that failed while NIXL still ran them (their memory stayed pinned)
+    peers_retired: int = 0  # peers retired (why: kvxferd_peers_retired_total{reason})
 
 
 class Percentiles(msgspec.Struct, omit_defaults=True):
@@ -255,6 +282,8 @@ class Totals(msgspec.Struct):
     peers: int
     in_flight: int
     held: int
+    remote_agents: int = 0  # NIXL remote agents the daemon's agent has loaded (one per peer daemon in use)
+    lane_remote_agents: int = 0  # the same, summed over the posting lanes' agents
 
 
 STATUS_ROWS = 100  # rows per status list: a daemon with 10,000 holds answers `status` quickly
@@ -297,6 +326,8 @@ class Results(Msg, tag="results"):
 Reply = Welcome | Registered | Ok | Completions | StatusReply | Error | Results
 
 # What decoding untrusted bytes may raise (msgspec reports bad UTF-8 as UnicodeDecodeError).
+NOT_APPLIED = "not applied: "  # starts the error of a batch item held back because another was refused
+
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 
 request_decoder = msgspec.msgpack.Decoder(Request)

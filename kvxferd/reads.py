@@ -7,6 +7,10 @@
 A read large enough is split across posting lanes (lanes.py): its slices are posted from the
 lanes' threads, and its consumers are notified once every slice is DONE.
 
+A read is reported `received` only when the prefill daemon vouched that its holds lived through
+the READ (leases.py): a claim covering the moment it was seen DONE, or asked for then; a hold
+that ended before fails the read `expired`, whatever bytes NIXL brought.
+
 An audited read (integrity.py), once DONE, digests the rows that arrived and asks the prefill
 daemon for its digests of the same rows; its consumers are notified, and it is reported
 `received`, only when every row matches and no block was reused; otherwise it fails
@@ -17,15 +21,22 @@ deadline is reported failed and its handles are quarantined, polled until they e
 engine memory they touch stays mapped and registered until then. A transfer uses its engine
 rank and its route for as long as it is in flight or quarantined; nothing counts that by hand,
 `uses_engine` and `uses_route` ask the two collections that own the transfers.
+
+`allowed_peers` (CIDRs; empty: any) bounds the side-channel addresses a read may name: a read
+naming another address fails `handshake` naming it, before anything is dialed. With a list set,
+a name that is not an IP literal is refused too: it is not resolved, because what a name
+resolves to may change between the check and ZMQ's own resolution at connect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
+import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,6 +47,7 @@ from . import integrity
 from . import protocol as P
 from .engines import EngineRank
 from .lanes import Lanes, SliceRead
+from .leases import RESTARTED, ClaimKey, Leases, claim_keys
 from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
 from .peers import Link, Peer, Peers, Route
 from .plan.descriptors import (
@@ -81,7 +93,12 @@ class Transfer:
     nbytes: int = 0
     descriptors: int = 0
     done: bool = False
+    received: bool = False
     audit: bool = False  # check the bytes against the prefill's digests before `received`
+    read_ranks: list[int] = field(default_factory=list)  # prefill ranks READ from
+    read_claims: list[ClaimKey] = field(default_factory=list)  # their holds: what must vouch for the bytes
+    claims: list[ClaimKey] = field(default_factory=list)  # on the prefill holds it reads (leases.py)
+    done_at: float = 0.0  # monotonic: when every READ was seen DONE
 
     @property
     def key(self) -> ReadKey:
@@ -110,6 +127,7 @@ class Transfer:
                                                        self.msg.remote_blocks))
         nbytes = {rank: _bytes_read(plan.peers[rank], lids) for rank, (lids, _) in reads.items()}
         split = lanes.slices(sum(nbytes.values()))
+        self.read_ranks = list(reads)
         ref = self.msg.remote
         expected = route.expected
         try:
@@ -141,11 +159,11 @@ class Transfer:
             if not self.running:
                 raise StaleRoute(str(exc)) from exc
             raise
-        self.posted_at = time.monotonic()
+        self.posted_at = route.peer.used = time.monotonic()  # used: liveness.py's idle clock
         return len(plan.targets)
 
     def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str,
-                     metadata: bytes, lanes: Lanes, k: int, on_sliced: Callable[[], None]) -> None:
+                     metadata: tuple[bytes, ...], lanes: Lanes, k: int, on_sliced: Callable[[], None]) -> None:
         """One remote rank's descriptor pairs in `k` contiguous slices, slice i on lane i."""
         er = self.engine
         for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
@@ -208,6 +226,21 @@ class _AuditRefused(Exception):
     """The prefill daemon could not vouch for the bytes (not held, no digests, bad rows)."""
 
 
+def _outside(host: str, allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
+    """Why `host` is outside the allowed networks; "" when one holds it."""
+    listed = ", ".join(map(str, allowed))
+    try:
+        addr = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    except ValueError:
+        return (f"{host!r} is not an IP address, and names are not resolved while allowed_peers is set "
+                f"({listed})")
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if any(addr in net for net in allowed):
+        return ""
+    return f"address {addr} is outside allowed_peers ({listed})"
+
+
 def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
     """Bytes a set of local descriptor ids covers (each descriptor has its piece's length)."""
     piece = np.searchsorted(pp.local_base, lids, side="right") - 1
@@ -216,8 +249,16 @@ def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
 
 class Reads:
     def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
-                 lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False) -> None:
+                 lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False,
+                 allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
+                 max_per_rank: int = 4096, leases: Leases | None = None) -> None:
+        self._leases = leases
+        self._digester = digester or integrity.Digester()
+        self._max_per_rank = max_per_rank
+        self._per_rank: dict[tuple[str, int], int] = {}  # reads in flight or quarantined, by engine rank
         self._nixl = nixl
+        self._allowed = [ipaddress.ip_network(cidr) for cidr in allowed_peers]  # empty: any address
+        self._refusals: dict[str, str] = {}  # side-channel host -> why it may not be dialed ("": it may)
         self._integrity_audit = integrity_audit
         self._lanes = lanes
         self._peers = peers
@@ -228,10 +269,12 @@ class Reads:
         self._quarantine: list[Transfer] = []
         self._on_posted = on_posted  # wakes the progress loop from its idle wait
         self._rate = 2e9  # bytes/s of recent large reads: when to expect a read to end
+        self._tasks: set[asyncio.Task[None]] = set()  # handshakes, confirmations, audits under way
 
     # --- start ----------------------------------------------------------------
-    def start(self, er: EngineRank, msg: P.Read, received_at: float) -> None:
-        """Accept a read; it ends as a completion. Posts at once when the route is known."""
+    def check(self, er: EngineRank, msg: P.Read, also_new: int = 0) -> None:
+        """What `start` would refuse (RequestError), without starting. `also_new`: reads of the
+        same rank started before this one (a batch's)."""
         if (er.engine_id, er.tp_rank, msg.request_id) in self._in_flight:
             raise RequestError("bad_request", f"request {msg.request_id!r} is already being read")
         if msg.deadline_s > self._max_deadline_s:
@@ -240,10 +283,26 @@ class Reads:
         if len(msg.local_blocks) != groups or len(msg.remote_blocks) != groups:
             raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
                                               f"groups; the geometry has {groups}")
+        reads = self._per_rank.get((er.engine_id, er.tp_rank), 0) + also_new
+        if reads >= self._max_per_rank:  # quarantined ones count: NIXL still writes their memory
+            raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} has {reads} reads "
+                                              f"in flight (max_reads_per_engine {self._max_per_rank})")
+
+    def start(self, er: EngineRank, msg: P.Read, received_at: float) -> None:
+        """Accept a read; it ends as a completion. Posts at once when the route is known."""
+        try:
+            self.check(er, msg)
+        except RequestError:
+            self.refused(er, msg)
+            raise
         now = time.monotonic()
         t = Transfer(er, msg, received_at, now, now + msg.deadline_s,
                      audit=self._integrity_audit if msg.audit is None else msg.audit)
         self._in_flight[t.key] = t
+        key = er.engine_id, er.tp_rank  # no property: this is the hot path
+        if self._leases is not None:
+            t.claims = self._leases.take_expect(key, msg.request_id)  # the engine announced it
+        self._per_rank[key] = self._per_rank.get(key, 0) + 1
         ref = msg.remote
         route = self._routes.get(((ref.engine_id, ref.host, ref.port), (er.engine_id, er.tp_rank)))
         attempts = ATTEMPTS
@@ -258,8 +317,29 @@ class Reads:
                 self._fail_on(t, exc)
                 attempts = 0
         if attempts:
-            asyncio.get_running_loop().create_task(self._start_slow(t, attempts))
+            refused = self._refused(ref.host, ref.port)  # a cached route's address passed already
+            if refused:
+                self._fail(t, "handshake", refused)
+            else:
+                self._spawn(self._start_slow(t, attempts))
         self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        """A read's next step as a task, kept until it ends (the loop keeps only weak references)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _refused(self, host: str, port: int) -> str:
+        """Why allowed_peers forbids dialing `host`; "" when it may be dialed (or no list is set)."""
+        if not self._allowed:
+            return ""
+        why = self._refusals.get(host)
+        if why is None:
+            why = _outside(host, self._allowed)
+            if len(self._refusals) < 4096:  # an engine naming endless addresses costs a parse each
+                self._refusals[host] = why
+        return why and f"peer {host}:{port} refused, not dialed: {why}"
 
     async def _start_slow(self, t: Transfer, attempts: int) -> None:
         """Handshake and plan first (shared with every read waiting on the same peer), then post."""
@@ -283,6 +363,10 @@ class Reads:
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
         notifications = t.post(route, self._nixl, self._lanes, self._on_posted)
+        if t.read_ranks and self._leases is not None:
+            t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
+            self._leases.acquire(t.read_claims)
+            t.claims += t.read_claims
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
                                    len(t.slices))
         if t.running:
@@ -311,7 +395,7 @@ class Reads:
         """The read arrived: every byte is in the engine's blocks."""
         if t.done:
             return
-        t.done = True
+        t.done = t.received = True
         seconds = time.monotonic() - t.started
         self._recorder.read_received(t.peer_label, t.nbytes, seconds, time.perf_counter() - t.received_at)
         t.engine.complete(P.Completion(t.msg.request_id, "received", [], "", t.nbytes, seconds))
@@ -334,10 +418,22 @@ class Reads:
     def _end(self, t: Transfer) -> None:
         """Out of flight; READs NIXL still runs keep the transfer (and its memory) in quarantine."""
         self._in_flight.pop(t.key, None)
+        if self._leases is not None and t.claims:
+            self._leases.release(t.claims, unread=not t.received)
+            t.claims = []
         if t.running:
             self._quarantine.append(t)
             self._recorder.read_quarantined()
+        else:
+            self._gone(t)
         self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+
+    def _gone(self, t: Transfer) -> None:
+        """Neither in flight nor quarantined: it no longer counts against its rank."""
+        key = t.engine.engine_id, t.engine.tp_rank
+        self._per_rank[key] -= 1
+        if not self._per_rank[key]:
+            del self._per_rank[key]
 
     def fail_engine(self, er: EngineRank, why: str) -> None:
         for t in [t for t in self._in_flight.values() if t.engine is er]:
@@ -349,6 +445,50 @@ class Reads:
         for t in list(self._in_flight.values()):
             self._fail(t, kind, why)
         return told
+
+    @staticmethod
+    def _vouching(t: Transfer) -> tuple[list[ClaimKey], str, str]:
+        """The holds a read's bytes came from (not every rank an expectation claimed), the
+        prefill daemon instance its READs went to, and the engine registration (epoch) its
+        route was planned against ("": not known)."""
+        if t.route is None:
+            return t.read_claims, "", ""
+        return t.read_claims, t.route.agent, t.route.peer.epoch
+
+    def _deliver(self, t: Transfer) -> None:
+        """Every READ is DONE: `received` once the prefill's holds are vouched for through then."""
+        if self._leases is None:
+            self._notify_and_finish(t)
+            return
+        keys, agent, epoch = self._vouching(t)
+        if self._leases.covers(keys, t.done_at, agent, epoch):
+            self._notify_and_finish(t)
+        else:
+            self._spawn(self._deliver_confirmed(t))
+
+    def _notify_and_finish(self, t: Transfer) -> None:
+        t.notify_consumers(self._nixl)
+        if self._leases is not None and t.claims and t.route is not None:
+            self._leases.notified(t.claims, t.route.plan.targets)
+        self._finish(t)
+
+    async def _deliver_confirmed(self, t: Transfer) -> None:
+        assert self._leases is not None
+        try:
+            keys, agent, epoch = self._vouching(t)
+            why = await self._leases.confirm(keys, t.done_at, t.deadline, agent, epoch)
+        except Exception as exc:
+            self._fail_on(t, exc)
+            return
+        if t.done:  # failed meanwhile (engine gone, shutdown)
+            return
+        if why:
+            if why.startswith(RESTARTED) and t.route is not None:  # its route is the old registration's
+                self._peers.retire(t.route.peer, why, "restarted")
+            self._fail(t, "expired", why)
+            return
+        self._notify_and_finish(t)
+
 
     # --- audit ----------------------------------------------------------------
     async def _audit(self, t: Transfer) -> None:
@@ -363,6 +503,10 @@ class Reads:
             self._recorder.audit_ended(0, unanswered=True)
             self._fail(t, "integrity", str(exc))
             return
+        except TimeoutError:
+            self._recorder.audit_ended(0, unanswered=True)
+            self._fail(t, "deadline", "the integrity audit did not end before the read's deadline")
+            return
         except Exception as exc:
             self._fail_on(t, exc)
             return
@@ -373,8 +517,7 @@ class Reads:
             self._fail(t, "integrity", f"{rows} rows differ from the prefill's digests, in local blocks "
                                        f"{corrupt}", corrupt)
             return
-        t.notify_consumers(self._nixl)
-        self._finish(t)
+        self._deliver(t)
 
     async def _corrupt_blocks(self, t: Transfer) -> tuple[list[list[int]], int]:
         """Per cache group, the local blocks with a row that differs; and how many rows differ."""
@@ -391,10 +534,11 @@ class Reads:
             request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes())
             asked = asyncio.ensure_future(self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001)))
             await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
-            t0 = time.perf_counter()
             local = local_rows(pp, lids, er.region_addr)
-            ours = integrity.digest_rows(er.mappings, local)
-            self._recorder.digested("read", int(local[:, 1].sum()), time.perf_counter() - t0)
+            ours, seconds = await asyncio.wait_for(  # the digest thread may be busy: the deadline holds
+                self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)),
+                max(t.deadline - time.monotonic(), 0.001))
+            self._recorder.digested("read", int(local[:, 1].sum()), seconds)
             reply = await asked
             while reply.retry and not t.done and time.monotonic() + AUDIT_RETRY_S < t.deadline:
                 await asyncio.sleep(AUDIT_RETRY_S)  # the read overtook the prefill's hold
@@ -423,6 +567,7 @@ class Reads:
             t.release_ended(self._nixl)
             if not t.running:
                 self._quarantine.remove(t)
+                self._gone(t)
                 self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
     def _check(self, t: Transfer, now: float) -> None:
@@ -440,11 +585,11 @@ class Reads:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
             t.release_all(self._nixl)
+            t.done_at = now
             if t.audit:
-                asyncio.get_running_loop().create_task(self._audit(t))
+                self._spawn(self._audit(t))
                 return
-            t.notify_consumers(self._nixl)
-            self._finish(t)
+            self._deliver(t)
         elif now >= t.deadline:
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")
 
@@ -487,6 +632,12 @@ class Reads:
 
     def uses_peer(self, peer: Peer) -> int:
         return sum(1 for t in self._transfers() if t.route is not None and t.route.peer is peer)
+
+    def refused(self, er: EngineRank, msg: P.Read) -> None:
+        """A read was refused: what its engine expected of it keeps no hold alive (unless the
+        refusal was of a duplicate: the read in flight keeps its claims)."""
+        if self._leases is not None and (er.engine_id, er.tp_rank, msg.request_id) not in self._in_flight:
+            self._leases.release(self._leases.take_expect((er.engine_id, er.tp_rank), msg.request_id))
 
     @property
     def in_flight(self) -> int:

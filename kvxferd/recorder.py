@@ -6,10 +6,11 @@ handshake ran"); each method feeds every view of that event, so the views cannot
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections import deque
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -21,11 +22,18 @@ log = logging.getLogger("kvxferd")
 RECENT_S = 10  # the status reply's throughput window
 PEER_LABELS = 64  # distinct `peer` label values in Prometheus; later peers count as "other"
 
+# expired: the prefill's hold could not be vouched for through the READ (leases.py)
 FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "integrity",
-                      "internal"]
+                      "expired", "internal"]
 DigestWhere = Literal["hold", "audit", "read"]  # prefill at hold, prefill answering, decode checking
 HoldOutcome = Literal["sent", "expired", "dropped"]
-NotificationKind = Literal["consumer", "early", "unknown", "malformed"]
+# unauthorized: from a NIXL agent that never handshook for the engine it names (dropped)
+NotificationKind = Literal["consumer", "early", "unknown", "malformed", "unauthorized"]
+ProbeOutcome = Literal["alive", "epoch_unknown", "engine_gone", "restarted", "no_answer"]
+PeerState = Literal["handshaking", "ready", "retired"]
+RetireReason = Literal["posting_failed", "silent", "engine_gone", "restarted", "idle"]
+PEER_STATES: tuple[PeerState, ...] = get_args(PeerState)
+RETIRE_REASONS: tuple[RetireReason, ...] = get_args(RetireReason)
 RpcOutcome = Literal["ok", "error"]
 
 
@@ -38,6 +46,13 @@ class Recorder:
         self._rpc_to_post: deque[float] = deque(maxlen=8192)  # seconds
         self._rpc_to_completion: deque[float] = deque(maxlen=8192)
         self._peer_labels: set[str] = set()
+        self._accept_logged = -1.0
+        for state in PEER_STATES:  # every series from the start: dashboards and alerts see zeros
+            self.metrics.peers.labels(state).set(0)
+        for reason in RETIRE_REASONS:
+            self.metrics.peers_retired.labels(reason)
+        for outcome in get_args(ProbeOutcome):
+            self.metrics.peer_probes.labels(outcome)
 
     def _peer(self, peer: str) -> str:
         """The peer's label: its engine id for the first PEER_LABELS peers, then "other", so the
@@ -60,6 +75,16 @@ class Recorder:
 
     def connection_refused(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
+
+    def accept_failed(self, exc: OSError) -> None:
+        """The engine socket could not accept (out of fds or memory): counted, logged at most
+        once a second (a flood fails thousands of times)."""
+        name = errno.errorcode.get(exc.errno or 0, "other")
+        self.metrics.accept_errors.labels(name).inc()
+        now = time.monotonic()
+        if now - self._accept_logged >= 1.0:
+            self._accept_logged = now
+            log.warning("engine socket: accept failed (%s); retrying with backoff", exc)
 
     def engines_changed(self, ranks: int, engines: int, registered_bytes: int) -> None:
         self.metrics.ranks.set(ranks)
@@ -86,6 +111,18 @@ class Recorder:
         self.metrics.notifs_sent.inc(notifications)
         self.metrics.read_post.observe(since_rpc_s)
         self._rpc_to_post.append(since_rpc_s)
+
+    def read_expected(self) -> None:
+        self.metrics.reads_expected.inc()
+
+    def claims_asked(self, n: int, answered: bool) -> None:
+        self.metrics.lease_claims.labels("asked", "answered" if answered else "unanswered").inc(n)
+
+    def claims_now(self, n: int) -> None:
+        self.metrics.claims_open.set(n)
+
+    def claims_answered(self, n: int) -> None:
+        self.metrics.lease_claims.labels("answered", "ok").inc(n)
 
     def nixl_timed(self, post_s: float, transfer_s: float) -> None:
         self.metrics.nixl_post.observe(post_s)
@@ -137,6 +174,8 @@ class Recorder:
     def notification_received(self, kind: NotificationKind) -> None:
         if kind in ("unknown", "malformed"):
             self.counters.unknown_notifs += 1
+        elif kind == "unauthorized":
+            self.counters.unauthorized_notifs += 1
         self.metrics.notifs_received.labels(kind).inc()
 
     def early_notifications_dropped(self, count: int) -> None:
@@ -154,8 +193,17 @@ class Recorder:
             self.metrics.handshakes.labels(self._peer(peer), "ok").inc()
             self.metrics.handshake_seconds.observe(seconds)
 
-    def peers_now(self, peers: int) -> None:
-        self.metrics.peers.set(peers)
+    def peers_now(self, handshaking: int, ready: int, retired: int, remote_agents: int) -> None:
+        for state, count in zip(PEER_STATES, (handshaking, ready, retired)):
+            self.metrics.peers.labels(state).set(count)
+        self.metrics.remote_agents.set(remote_agents)
+
+    def peer_retired(self, reason: RetireReason) -> None:
+        self.counters.peers_retired += 1
+        self.metrics.peers_retired.labels(reason).inc()
+
+    def peer_probed(self, outcome: ProbeOutcome) -> None:
+        self.metrics.peer_probes.labels(outcome).inc()
 
     def handshake_answered(self, outcome: str) -> None:
         self.metrics.handshakes_served.labels(outcome).inc()

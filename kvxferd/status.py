@@ -1,4 +1,8 @@
-"""Text rendering of `kvxferd status` (its --json is the `protocol.Status` Struct itself)."""
+"""Text rendering of `kvxferd status` (its --json is the `protocol.Status` Struct itself).
+
+Engine ids, request ids, model names, peer addresses and reasons come from engines and peers:
+every string is rendered through `logs.escape`, so none can send escape sequences or line breaks
+to the operator's terminal. JSON needs nothing (json.dumps escapes control characters)."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from .logs import escape
 from .protocol import Status
 
 
@@ -25,8 +30,8 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     if isinstance(v, list):
-        return ",".join(map(str, v))
-    return str(v)
+        return escape(",".join(map(str, v)))
+    return escape(str(v))
 
 
 def _more(shown: int, total: int) -> list[str]:
@@ -35,8 +40,8 @@ def _more(shown: int, total: int) -> list[str]:
 
 def render(st: Status) -> str:
     c, rec = st.counters, st.recent
-    lines = [f"kvxferd {st.version}  agent {st.agent}  up {st.uptime_s:.0f}s",
-             f"socket {st.socket}  side channel {st.side_channel}",
+    lines = [f"kvxferd {escape(st.version)}  agent {escape(st.agent)}  up {st.uptime_s:.0f}s",
+             f"socket {escape(st.socket)}  side channel {escape(st.side_channel)}",
              f"reads: {c.received} received ({c.split_reads} split), {c.failed} failed "
              f"({c.integrity_failures} integrity)   "
              f"holds: {c.sent} sent, {c.expired} "
@@ -46,10 +51,12 @@ def render(st: Status) -> str:
                                  ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
     t = st.totals
     lines += _more(len(st.engines), t.engines)
-    lines += ["", "peers"]
+    lines += ["", f"peers ({c.peers_retired} retired so far; NIXL remote agents loaded: {t.remote_agents}, "
+                  f"on lanes {t.lane_remote_agents})"]
     lines += _table(st.peers, [("engine", "ENGINE"), ("address", "ADDRESS"), ("agent", "AGENT"),
-                               ("handshake_age_s", "AGE s"), ("plans", "PLANS"), ("ranks", "RANKS"),
-                               ("active", "ACTIVE")])
+                               ("state", "STATE"), ("retired", "WHY"), ("handshake_age_s", "AGE s"),
+                               ("heard_s", "HEARD s"), ("idle_s", "IDLE s"), ("plans", "PLANS"),
+                               ("ranks", "RANKS"), ("active", "ACTIVE")])
     lines += _more(len(st.peers), t.peers)
     lines += ["", "in flight"]
     lines += _table(st.in_flight, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),

@@ -100,3 +100,133 @@ def test_curve_side_channel_transfers_and_refuses_strangers(keys):
                 d.stop()
         assert c.status(0).counters.unauthenticated_peers >= 2
         assert c.transfer(1, num_tokens=40)["status"] == "received"
+
+
+# --- the side channel beyond loopback needs keys (config.check_side_channel) -------------------
+
+def side_cfg(host: str, **over):
+    from kvxferd.config import load
+
+    return load(env={}, side_channel_host=host, **over)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.1", "::1", "[::1]", "localhost", "::ffff:127.0.0.1"])
+def test_loopback_side_channel_needs_no_keys(host):
+    from kvxferd.config import check_side_channel
+
+    assert check_side_channel(side_cfg(host)) is None
+
+
+NETWORK_HOSTS = ["0.0.0.0", "::", "*", "10.1.2.3", "192.168.0.5", "fe80::1", "eth0", "node1.example", "::ffff:10.0.0.1"]
+
+
+@pytest.mark.parametrize("host", NETWORK_HOSTS)
+def test_network_side_channel_without_keys_is_refused_saying_what_to_do(host):
+    from kvxferd.config import ConfigError, check_side_channel
+
+    with pytest.raises(ConfigError) as err:
+        check_side_channel(side_cfg(host, side_channel_port=5600))
+    message = str(err.value)
+    assert f"on {host}:5600 without CurveZMQ keys" in message
+    for remedy in ("kvxferd keys generate", "curve_secret_key_file", "KVXFERD_CURVE_SECRET_KEY_FILE",
+                   'side_channel_host = "127.0.0.1"', "side_channel_insecure = true",
+                   "KVXFERD_SIDE_CHANNEL_INSECURE=1", "--side-channel-insecure"):
+        assert remedy in message
+
+
+@pytest.mark.parametrize("host", NETWORK_HOSTS)
+def test_network_side_channel_with_keys_or_explicitly_insecure(host):
+    from kvxferd.config import check_side_channel
+
+    assert check_side_channel(side_cfg(host, curve_secret_key_file="/k/kvxferd.key_secret")) is None
+    warning = check_side_channel(side_cfg(host, side_channel_insecure=True))
+    assert warning is not None and "without CurveZMQ keys (side_channel_insecure = true)" in warning
+
+
+def test_insecure_flag_from_environment_and_file(tmp_path):
+    from kvxferd.config import load
+
+    assert load(env={}).side_channel_insecure is False
+    for value, expected in (("1", True), ("true", True), ("0", False), ("false", False)):
+        assert load(env={"KVXFERD_SIDE_CHANNEL_INSECURE": value}).side_channel_insecure is expected
+    f = tmp_path / "k.toml"
+    f.write_text("side_channel_insecure = true\n")
+    assert load(str(f), env={}).side_channel_insecure is True
+
+
+def test_missing_curve_files_are_named(tmp_path, keys):
+    from kvxferd.config import ConfigError, check_curve_files
+
+    cluster_keys, _ = keys
+    check_curve_files(side_cfg("0.0.0.0", curve_secret_key_file=str(cluster_keys / "kvxferd.key_secret")))
+    with pytest.raises(ConfigError, match=f"curve_secret_key_file {tmp_path}/none.key_secret does not exist: "
+                                          "create them with `kvxferd keys generate"):
+        check_curve_files(side_cfg("0.0.0.0", curve_secret_key_file=str(tmp_path / "none.key_secret")))
+    with pytest.raises(ConfigError, match=f"curve_authorized_keys_dir {tmp_path}/nowhere does not exist"):
+        check_curve_files(side_cfg("0.0.0.0", curve_secret_key_file=str(cluster_keys / "kvxferd.key_secret"),
+                                   curve_authorized_keys_dir=str(tmp_path / "nowhere")))
+
+
+def serve(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvxferd", "serve", "--socket", str(tmp_path / "k.sock"),
+                           "--side-channel-port", "0", "--metrics-port", "-1", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_serve_refuses_network_side_channel_without_keys(tmp_path):
+    for args, env in ((["--side-channel-host", "0.0.0.0"], None),
+                      ([], {**os.environ, "KVXFERD_SIDE_CHANNEL_HOST": "::"})):
+        out = serve(tmp_path, *args, env=env)
+        assert out.returncode == 2, out
+        assert "kvxferd: refusing to serve the side channel on" in out.stderr and "kvxferd keys generate" in out.stderr
+        assert not (tmp_path / "k.sock").exists()  # refused before anything started
+
+
+def test_serve_with_missing_key_file_says_so(tmp_path):
+    out = serve(tmp_path, "--side-channel-host", "0.0.0.0", "--curve-secret-key", str(tmp_path / "k.key_secret"))
+    assert out.returncode == 2 and f"curve_secret_key_file {tmp_path}/k.key_secret does not exist" in out.stderr
+
+
+def test_serve_insecure_side_channel_starts_and_warns(tmp_path):
+    d = DaemonProcess(tmp_path, "d", extra=["--side-channel-host", "0.0.0.0", "--side-channel-insecure"])
+    try:
+        with Client(d.socket) as c:
+            st = c.status()
+        assert st.side_channel_auth == "none" and st.side_channel.startswith("0.0.0.0:")
+        log = Path(d.log.name).read_text()
+        assert "WARNING" in log.upper() and "without CurveZMQ keys (side_channel_insecure = true)" in log
+    finally:
+        d.stop()
+
+
+def test_network_side_channel_with_keys_refuses_a_peer_without(tmp_path, keys):
+    """Bound on every address with keys: a peer with the keys gets its answer, one without none."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from kvxferd import handshake as hs
+
+    cluster_keys, _ = keys
+    d = DaemonProcess(tmp_path, "d", extra=["--side-channel-host", "0.0.0.0", *curve_args(cluster_keys, "kvxferd")])
+    try:
+        with Client(d.socket) as c:
+            port = int(c.status().side_channel.rsplit(":", 1)[1])
+
+        async def ask(curve) -> str:
+            ctx = zmq.asyncio.Context()
+            try:
+                await hs.request(ctx, "127.0.0.1", port, "nobody", 1.0, "probe", curve)
+                return "answered"
+            except hs.HandshakeError as exc:
+                return exc.reason
+            finally:
+                ctx.destroy(0)
+
+        secret = str(cluster_keys / "kvxferd.key_secret")
+        assert asyncio.run(ask(hs.load_curve(secret, str(cluster_keys)))) == "refused"  # answered: unknown engine
+        assert asyncio.run(ask(None)) == "timeout"
+        with Client(d.socket) as c:
+            assert c.status().counters.unauthenticated_peers >= 1
+    finally:
+        d.stop()

@@ -22,6 +22,12 @@ def test_bench_control_runs():
     assert (batched["batch"], batched["requests"]) == (4, 40) and batched["req_per_s"] > 0
 
 
+def test_bench_leases_runs():
+    rows = control.run_leases(requests=20, rounds=1)
+    assert [r["mode"] for r in rows] == ["off", "unannounced", "announced"]
+    assert rows[0]["client_ratio"] == 1.0 and all(r["client_p50_us"] > 0 for r in rows)
+
+
 def test_bench_handshake_runs():
     rows = handshake.run(peers=1)
     assert rows[0]["first_ms"] > 0 and rows[0]["handshake_ms"] > 0

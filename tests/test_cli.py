@@ -73,6 +73,18 @@ def test_config_precedence(tmp_path):
         load(str(f), env={})
 
 
+def test_peer_lifecycle_settings_are_checked():
+    cfg = load(env={})
+    assert (cfg.peer_probe_interval_s, cfg.peer_dead_after_s, cfg.peer_idle_ttl_s) == (10.0, 30.0, 600.0)
+    assert load(env={"KVXFERD_PEER_IDLE_TTL_S": "0"}).peer_idle_ttl_s == 0  # never evict idle peers
+    for env, words in (({"KVXFERD_PEER_PROBE_INTERVAL_S": "0"}, "peer_probe_interval_s"),
+                       ({"KVXFERD_PEER_DEAD_AFTER_S": "-1"}, "peer_dead_after_s"),
+                       ({"KVXFERD_PEER_IDLE_TTL_S": "-5"}, "peer_idle_ttl_s"),
+                       ({"KVXFERD_PEER_DEAD_AFTER_S": "10"}, "must exceed peer_probe_interval_s")):
+        with pytest.raises(ConfigError, match=words):
+            load(env=env)
+
+
 def test_serve_from_config_file(tmp_path):
     from kvxferd.client import Client
     from kvxferd.lab.synthetic.demo import DaemonProcess

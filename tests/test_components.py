@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import sys
 import time
+import unittest.mock
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,10 @@ from kvxferd.engines import EngineRank, Engines
 from kvxferd.holds import Holds
 from kvxferd.lab.synthetic import testing
 from kvxferd.lanes import Lanes
+from kvxferd.liveness import Liveness
 from kvxferd.memory import create_shm
 from kvxferd.nixl_driver import NixlDriver
-from kvxferd.peers import Peers
+from kvxferd.peers import Peer, Peers
 from kvxferd.plan.geometry import Geometry
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.protocol import RequestError
@@ -87,10 +89,10 @@ class World:
         """One turn of both daemons' progress loops."""
         for nixl, on_notification in ((self.prefill.nixl, self.holds.on_notification),
                                       (self.decode.nixl, None)):
-            for messages in nixl.notifications().values():
+            for sender, messages in nixl.notifications().items():
                 for m in messages:
                     assert on_notification is not None, "the decode side gets no notifications"
-                    on_notification(m)
+                    on_notification(sender, m)
         self.reads.poll(time.monotonic())
 
     async def completion(self, er: EngineRank, timeout: float = 10) -> P.Completion:
@@ -109,7 +111,8 @@ async def make_world() -> AsyncIterator[World]:
     p.register("prefill")
     d.register("decode")
     holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
-    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, holds.answer_handshake)
+    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, lambda req: p.engines.answer_probe(req) if isinstance(
+        req, hs.ProbeRequest) else holds.answer_handshake(req))  # type: ignore[arg-type]  # (no audits here)
     task = asyncio.create_task(server.run())
     no_lanes = Lanes(0, 8 << 20, "d", ("UCX",))  # every read posted whole on the daemon's agent
     peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None, lanes=no_lanes)
@@ -226,16 +229,19 @@ async def test_engine_leaving_fails_its_reads_and_is_released_once_unused(w: Wor
 async def test_notifications_before_the_hold_are_kept_for_it(w: World) -> None:
     p_er = w.prefill.rank
     assert p_er is not None
+    assert w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "consumer")).ok
     note = msgspec.msgpack.encode(hs.Notification("prefill", 0, "early", 2))
-    w.holds.on_notification(note)
-    w.holds.on_notification(b"\x93not a notification")
-    w.holds.on_notification(msgspec.msgpack.encode(hs.Notification("stranger", 0, "r", 1)))
+    w.holds.on_notification("consumer", note)
+    w.holds.on_notification("consumer", b"\x93not a notification")
+    w.holds.on_notification("consumer", msgspec.msgpack.encode(hs.Notification("stranger", 0, "r", 1)))
+    w.holds.on_notification("never-handshook", note)  # dropped: counts for no consumer
     w.holds.hold(p_er, P.Hold("prefill", 0, "early", 30.0, [[1, 2]]))
     assert not p_er.completions, "one of two consumers so far"
-    w.holds.on_notification(note)
+    w.holds.on_notification("consumer", note)
     sent = p_er.completions.popleft()
     assert (sent.request_id, sent.status, sent.block_ids) == ("early", "sent", [[1, 2]])
-    assert w.prefill.recorder.counters.unknown_notifs == 2  # the malformed one and the stranger's
+    assert w.prefill.recorder.counters.unknown_notifs == 1  # the malformed one
+    assert w.prefill.recorder.counters.unauthorized_notifs == 2  # the stranger engine's, the unknown agent's
 
 
 @in_world
@@ -304,3 +310,189 @@ async def test_status_lists_the_oldest_holds_and_counts_all(w: World) -> None:
     oldest = w.holds.status(time.monotonic(), P.STATUS_ROWS)
     assert [h.request for h in oldest] == [f"h{i}" for i in range(P.STATUS_ROWS)]
     assert w.holds.held == 250
+
+
+# --- peer lifecycle (peers.py, liveness.py) ----------------------------------------------
+
+
+def second_engine(w: World, engine_id: str) -> Side:
+    """Another engine on the prefill side's daemon: the same NIXL agent, memory of its own."""
+    other = Side(w.prefill.name, w.prefill.nixl, w.prefill.recorder, w.prefill.engines, w.prefill.geometry)
+    other.register(engine_id)
+    return other
+
+
+def start_read(w: World, src: Side, request_id: str, seq: int, num_tokens: int,
+               host: str = "127.0.0.1") -> list[np.ndarray]:
+    """Prefill a prompt on `src`'s engine, hold it, start the decode's read; what the decode must hold."""
+    p_er, d_er = src.rank, w.decode.rank
+    assert p_er is not None and d_er is not None
+    need = testing.blocks_needed(src.geometry, num_tokens)
+    p_seq = testing.Sequence(seq, num_tokens, tuple(tuple(range(n)) for n in need))
+    d_seq = testing.Sequence(seq, num_tokens, tuple(tuple(range(40, 40 + n)) for n in need))
+    testing.fill_sequence(src.views, src.geometry, p_seq)
+    want = expected(w, d_seq)
+    w.holds.hold(p_er, P.Hold(p_er.engine_id, 0, request_id, 30.0, [list(b) for b in p_seq.blocks]))
+    msg = msgspec.structs.replace(read_msg(w, request_id, p_seq, d_seq),
+                                  remote=P.RemoteRef(p_er.engine_id, host, w.port, 1, request_id))
+    w.reads.start(d_er, msg, time.perf_counter())
+    return want
+
+
+async def read_ok(w: World, src: Side, request_id: str, seq: int, num_tokens: int, host: str = "127.0.0.1") -> None:
+    """A read from `src`'s engine ends `received`, every byte as the prefill wrote it."""
+    want = start_read(w, src, request_id, seq, num_tokens, host)
+    assert w.decode.rank is not None
+    done = await w.completion(w.decode.rank)
+    assert (done.request_id, done.status) == (request_id, "received"), done
+    assert testing.check(w.decode.views, want, w.decode.geometry) == []
+
+
+def restart(side: Side) -> EngineRank:
+    """The side's engine leaves and registers again under its id, with new memory."""
+    assert side.rank is not None
+    side.engines.close(side.rank, "restarting")
+    side.engines.release(side.rank)
+    side.views.clear()
+    return side.register(side.rank.engine_id)
+
+
+def peer_of(w: World, engine_id: str) -> Peer:
+    (peer,) = [p for p in w.peers.ready() if p.engine_id == engine_id]
+    return peer
+
+
+@in_world
+async def test_a_shared_agent_outlives_one_engine_s_peer(w: World) -> None:
+    """Two engines behind one prefill daemon are two Peers on one NIXL agent: retiring one (its
+    lists collected) while a read of the other is in flight leaves that read and the agent alone;
+    the agent goes with the last Peer that used it."""
+    b = second_engine(w, "prefill-b")
+    await read_ok(w, w.prefill, "a0", 0, 37)
+    await read_ok(w, b, "b0", 1, 37)
+    agent = w.prefill.nixl.name
+    assert w.decode.nixl.remote_agents == {agent}
+    peer_a, peer_b = peer_of(w, "prefill"), peer_of(w, "prefill-b")
+    assert peer_a.agent == peer_b.agent == agent
+    want = start_read(w, b, "b1", 2, 64)  # posted on B's cached route before A goes
+    w.peers.retire(peer_a, "its engine left", "engine_gone")
+    w.peers.collect(w.reads.uses_route)
+    assert w.decode.nixl.remote_agents == {agent}, "A's retirement removed the agent B reads through"
+    assert w.decode.rank is not None
+    done = await w.completion(w.decode.rank)
+    assert (done.request_id, done.status) == ("b1", "received"), done
+    assert testing.check(w.decode.views, want, w.decode.geometry) == []
+    await read_ok(w, b, "b2", 3, 50)
+    counters = w.decode.recorder.counters
+    assert (counters.handshakes, counters.peers_retired, counters.failed) == (2, 1, 0)
+    assert peer_of(w, "prefill-b") is peer_b and not peer_b.retired
+    assert [(p.engine, p.state) for p in w.peers.status(w.reads.uses_peer)] == [("prefill-b", "ready")]
+    w.peers.retire(peer_b, "its engine left", "engine_gone")
+    w.peers.collect(w.reads.uses_route)
+    assert w.decode.nixl.remote_agents == set() and w.peers.status(w.reads.uses_peer) == []
+
+
+async def probed(w: World, liveness: Liveness, peer: Peer) -> None:
+    """One probe of `peer`, answered (the prefill side's server runs on this loop)."""
+    peer.probed = 0.0
+    liveness.tick(time.monotonic())
+    assert peer.probing
+    for _ in range(500):
+        await asyncio.sleep(0.002)
+        if not peer.probing:
+            return
+    raise AssertionError("no probe answer")
+
+
+@in_world
+async def test_probes_tell_a_restarted_or_departed_engine_and_keep_a_live_one(w: World) -> None:
+    p_er = w.prefill.rank
+    assert p_er is not None
+    await read_ok(w, w.prefill, "r0", 0, 37)
+    peer = peer_of(w, "prefill")
+    assert peer.epoch == p_er.epoch and peer.epoch
+    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer)
+    heard = peer.heard
+    await probed(w, liveness, peer)
+    assert not peer.retired and peer.heard > heard
+    # The engine registers again under its id: another epoch, other memory.
+    assert restart(w.prefill).epoch != peer.epoch
+    await probed(w, liveness, peer)
+    assert (peer.retired, peer.reason) == (True, "restarted")
+    await read_ok(w, w.prefill, "r1", 1, 37)  # handshakes anew, reads the new memory
+    assert w.decode.recorder.counters.handshakes == 2
+    # ... and leaves: the next probe finds it gone.
+    peer = peer_of(w, "prefill")
+    assert w.prefill.rank is not None
+    w.prefill.engines.close(w.prefill.rank, "unregistered")
+    await probed(w, liveness, peer)
+    assert (peer.retired, peer.reason) == (True, "engine_gone")
+    body = w.decode.recorder.metrics.render().decode()
+    assert 'kvxferd_peers_retired_total{reason="restarted"} 1.0' in body
+    assert 'kvxferd_peers_retired_total{reason="engine_gone"} 1.0' in body
+    assert 'kvxferd_peer_probes_total{outcome="alive"} 1.0' in body
+    await liveness.close()
+
+
+@in_world
+async def test_a_handshake_meeting_a_new_epoch_retires_the_old_registration_s_peer(w: World) -> None:
+    """The same engine reached by another address: its handshake shows the engine registered
+    again, so the Peer of the old registration (same agent, other epoch) is retired."""
+    p_er = w.prefill.rank
+    assert p_er is not None
+    await read_ok(w, w.prefill, "r0", 0, 37, host="127.0.0.1")
+    old = peer_of(w, "prefill")
+    restart(w.prefill)
+    await read_ok(w, w.prefill, "r1", 1, 37, host="localhost")
+    assert (old.retired, old.reason) == (True, "restarted")
+    assert [p.address for p in w.peers.ready()] == [f"localhost:{w.port}"]
+
+
+@in_world
+async def test_a_daemon_before_probes_is_alive_with_its_epoch_unknown(w: World) -> None:
+    """A daemon from before probes answers one as a malformed request (its side channel decodes
+    handshakes and audits only): that answer proves it alive; and its handshake replies, which
+    carry no epoch, still decode."""
+    await read_ok(w, w.prefill, "r0", 0, 37)
+    peer = peer_of(w, "prefill")
+    old_kinds = msgspec.msgpack.Decoder(hs.HandshakeRequest | hs.AuditRequest)
+    with unittest.mock.patch.object(hs, "_req_decoder", old_kinds):
+        reply = await w.peers.probe(peer, 5.0)
+        assert (reply.ok, reply.gone, reply.epoch) == (False, False, "")
+        assert reply.reason.startswith("malformed side-channel request")
+        liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer)
+        peer.heard -= 25.0  # 5 s left before it would count as silent
+        heard = peer.heard
+        await probed(w, liveness, peer)
+    assert not peer.retired and peer.heard > heard + 20
+    assert 'kvxferd_peer_probes_total{outcome="epoch_unknown"} 1.0' in w.decode.recorder.metrics.render().decode()
+    old_reply = msgspec.msgpack.encode({"ok": True, "agent": "a", "metadata": b"m"})
+    assert hs._reply_decoder.decode(old_reply).epoch == ""
+    await liveness.close()
+
+
+@in_world
+async def test_silent_and_idle_peers_are_retired_and_busy_ones_kept(w: World) -> None:
+    await read_ok(w, w.prefill, "r0", 0, 37)
+    peer = peer_of(w, "prefill")
+    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 60.0, w.reads.uses_peer)
+    now = time.monotonic()
+    liveness.tick(now + 20.0)  # within both deadlines: a probe is due, nothing else
+    assert not peer.retired and peer.probing
+    await liveness.close()  # (cancelled before it ran: the probe's own cleanup never came)
+    peer.probing = False
+    start_read(w, w.prefill, "r1", 1, 37)  # in flight: the peer is in use, however idle its clock
+    peer.used = now - 120.0
+    peer.probed = peer.heard = now
+    liveness.tick(now)
+    assert not peer.retired
+    assert w.decode.rank is not None
+    assert (await w.completion(w.decode.rank)).status == "received"
+    liveness.tick(now)
+    assert (peer.retired, peer.reason) == (True, "idle")
+    await read_ok(w, w.prefill, "r2", 2, 37)
+    peer = peer_of(w, "prefill")
+    peer.probed = time.monotonic()
+    liveness.tick(peer.heard + 30.5)
+    assert (peer.retired, peer.reason) == (True, "silent")
+    assert w.decode.recorder.counters.peers_retired == 2

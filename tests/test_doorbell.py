@@ -1,15 +1,18 @@
-"""Protocol 3's doorbell: the daemon rings an engine's eventfd when completions wait, so a step
-where nothing finished costs the engine one non-blocking read instead of a poll round trip."""
+"""The completion doorbell (protocol 5): the daemon writes a byte to a pipe whose read end it gave
+the engine when completions wait, so a step where nothing finished costs the engine one
+non-blocking read instead of a poll round trip. The write end is the daemon's alone."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from pathlib import Path
 
 import pytest
 
 from kvxferd import protocol as P
-from kvxferd.client import DaemonError, EngineClient
+from kvxferd.client import EngineClient
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
@@ -75,19 +78,48 @@ def test_rings_again_while_completions_remain_after_a_poll(daemon, shm):
         assert c.poll(0.0) == []
 
 
-def test_a_fd_that_is_no_eventfd_is_refused_by_name(daemon, shm):
+def test_an_engine_made_doorbell_is_closed_unrung(daemon, shm):
+    """A protocol 3-4 client's eventfd would share its open file with the engine, which could
+    make the daemon's write block: the daemon takes it, closes it and says it has no doorbell."""
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
-        r, w = os.pipe()
+        bell = os.eventfd(0, os.EFD_NONBLOCK)
         try:
-            msg, sent = c.requests.register(geo, shm_fds=[fd], doorbell=r)
-            with pytest.raises(DaemonError) as err:
-                c.rpc.call(msg, P.Registered, sent)
-            assert err.value.code == "bad_request" and "doorbell" in str(err.value) and "eventfd" in str(err.value)
-            c.register(geo, shm_fds=[fd])  # nothing was kept: the rank registers cleanly afterwards
+            msg, sent = c.requests.register(geo, shm_fds=[fd], doorbell=bell)
+            reply = c.rpc.call(msg, P.Registered, sent)
+            assert reply.doorbell is False and c.rpc.reader.fds == deque()
+            c.read("r", NOBODY, 8, [[3]], [[3]], 5.0)
+            [done] = c.poll(10.0)
+            assert done.status == "failed"
+            with pytest.raises(BlockingIOError):
+                os.eventfd_read(bell)  # never rung
         finally:
-            os.close(r)
-            os.close(w)
+            os.close(bell)
+
+
+def test_the_engine_cannot_make_the_daemon_s_end_blocking(daemon, shm):
+    """The engine holds only the read end: making it blocking leaves the daemon's write end
+    non-blocking (a separate open file), as /proc shows, and rings still arrive."""
+    geo, fd = shm
+    with EngineClient(daemon.socket, "engine", 0, 1) as c:
+        c.register(geo, shm_fds=[fd], doorbell=True)
+        assert c.doorbell is not None
+        os.set_blocking(c.doorbell, True)
+        inode = os.fstat(c.doorbell).st_ino
+        pid = daemon.proc.pid
+        def ends() -> list[str]:
+            return [n for n in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{n}") == f"pipe:[{inode}]"]
+
+        deadline = time.monotonic() + 10  # the daemon closes the read end it sent right after sending
+        while len(ends()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [write_end] = ends()  # the write end only
+        fdinfo = Path(f"/proc/{pid}/fdinfo/{write_end}").read_text().splitlines()
+        flags = int(next(line.split()[1] for line in fdinfo if line.startswith("flags:")), 8)
+        assert flags & os.O_NONBLOCK and flags & os.O_ACCMODE == os.O_WRONLY
+        os.set_blocking(c.doorbell, False)
+        c.read("r", NOBODY, 8, [[3]], [[3]], 5.0)
+        assert rung_within(c, 10.0)
 
 
 def test_a_protocol_2_client_has_no_doorbell_and_polls_every_time(daemon, shm):

@@ -4,6 +4,7 @@ transfer outcome is unknown stays mapped, and the daemon serves the next valid r
 
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -160,8 +161,9 @@ def test_lost_notification_lease_expiry_frees_the_blocks():
     with Cluster(SHAPE, 2, 4) as c:
         blocks = c.prefill.prefill(1, 40, 1.0)
         wrong = RemoteRef("prefill", c.host, c.port, 2, "req-does-not-exist")  # notifications go nowhere
-        _, outcomes, _ = read_outcome(c, 1, 40, 5.0, remote=wrong, blocks=blocks)
-        assert [o[0] for o in outcomes] == ["received"] * 4
+        _, outcomes, _ = read_outcome(c, 1, 40, 1.0, remote=wrong, blocks=blocks)
+        # nothing held under that name vouches for the bytes: failed, not received
+        assert all(o[0] == "failed" and "expired" in o[2] and "never held" in o[2] for o in outcomes), outcomes
         assert c.prefill.wait_released(1, 10) == ["expired", "expired"]
         c.prefill.free(blocks)
         st = c.status(0)
@@ -216,4 +218,71 @@ def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
         log = Path(daemon.log.name).read_text()
         assert "kvxferd stopped" in log and "Traceback" not in log
         c.prefill.wait_released(1, 30)  # quarantined READs that ended still notified: sent or expired
+        c.prefill.free(blocks)
+
+
+@pytest.fixture
+def lying_proxy():
+    """A side channel in front of a real prefill daemon that rewrites each rank's compatibility
+    hash in the handshake reply to `want[0]` (the decode's): a peer whose hash is a lie."""
+    from kvxferd import handshake as hs
+
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER)
+    port = front.bind_to_random_port("tcp://127.0.0.1")
+    target: list[tuple[str, int]] = []
+    want: list[str] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not front.poll(50):
+                continue
+            ident, empty, body = front.recv_multipart()
+            back = ctx.socket(zmq.REQ)
+            back.connect(f"tcp://{target[0][0]}:{target[0][1]}")
+            back.send(body)
+            reply = hs._reply_decoder.decode(back.recv())
+            back.close(0)
+            lie = replace(reply, ranks=[replace(r, compat_hash=want[0]) for r in reply.ranks])
+            front.send_multipart([ident, empty, hs._encoder.encode(lie)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield port, target, want
+    stop.set()
+    thread.join(5)
+    front.close(0)
+    ctx.term()
+
+
+def test_a_peer_that_lies_about_its_compatibility_hash_is_caught(lying_proxy):
+    """The hash a peer sends proves nothing: the decode recomputes it from the geometry the peer
+    sent, so a prefill of another head size claiming the decode's hash is refused by name."""
+    from kvxferd import handshake as hs
+    from kvxferd.plan.geometry import validate
+    from kvxferd.plan.models import build
+
+    port, target, want = lying_proxy
+    other = replace(SHAPE, head_dim=64)
+    with Cluster(SHAPE, 2, 4, p_shape=other) as c:
+        target.append((c.host, c.port))
+        want.append(hs.compat_hash(validate(build(SHAPE, 4, 0))))
+        blocks = c.prefill.prefill(1, 40, 2.0)
+        lying = RemoteRef("prefill", "127.0.0.1", port, 2, "req-1")
+        _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=lying, blocks=blocks)
+        assert all(o[0] == "failed" and o[1] == local for o in outcomes), outcomes
+        assert "compatibility hash mismatch" in outcomes[0][2] and "head_dim=64" in outcomes[0][2]
+        c.prefill.free(blocks)
+
+
+def test_a_plan_over_the_descriptor_budget_is_refused_at_handshake(monkeypatch):
+    """A peer whose pages are tiny for its cache would make the decode build descriptor arrays
+    without bound; above max_plan_descriptors the route is refused, naming the setting."""
+    monkeypatch.setenv("KVXFERD_MAX_PLAN_DESCRIPTORS", "64")
+    with Cluster(SHAPE, 2, 4) as c:
+        blocks = c.prefill.prefill(1, 40, 2.0)
+        _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
+        assert all(o[0] == "failed" and o[1] == local for o in outcomes), outcomes
+        assert all("max_plan_descriptors 64" in o[2] for o in outcomes), outcomes
         c.prefill.free(blocks)

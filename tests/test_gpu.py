@@ -69,7 +69,7 @@ def test_real_vllm_gpu_pd_matches_a_single_instance(family, block, tmp_path, mon
     the single instance's greedy tokens (as on CPU, tests/test_vllm_bf16.py)."""
     import os
 
-    from kvxferd.lab.vllm_servers import VllmServer, free_port, handoff, make_model, prompts
+    from kvxferd.lab.vllm_servers import VllmServer, handoff, make_model, prompts
 
     python = os.environ.get("KVXFERD_VLLM_GPU_PYTHON")
     if not python:
@@ -77,8 +77,8 @@ def test_real_vllm_gpu_pd_matches_a_single_instance(family, block, tmp_path, mon
     monkeypatch.setenv("KVXFERD_VLLM_PYTHON", python)
     model = make_model(tmp_path / family, 0, family)
     audit = ["--integrity-audit"]
-    metrics = free_port()
-    pd, dd = DaemonProcess(tmp_path, "p", extra=audit), DaemonProcess(tmp_path, "d", metrics, extra=audit)
+    pd, dd = DaemonProcess(tmp_path, "p", extra=audit), DaemonProcess(tmp_path, "d", 0, extra=audit)
+    metrics = dd.metrics_address
     gpu = ["--gpu-memory-utilization", "0.25"]
     servers = [VllmServer(tmp_path, "single", model, block_size=block, args=gpu),
                VllmServer(tmp_path, "prefill", model, role="kv_producer", connector="kvxferd", socket=pd.socket,
@@ -95,7 +95,7 @@ def test_real_vllm_gpu_pd_matches_a_single_instance(family, block, tmp_path, mon
             if family == "dense":
                 assert out["choices"][0]["text"] == single.complete(prompt)["choices"][0]["text"]
         import urllib.request
-        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
         ok = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                  if line.startswith("kvxferd_audits_total") and 'outcome="ok"' in line)
         assert ok == 2

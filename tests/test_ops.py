@@ -17,6 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import yaml
+from podsim import image, unavailable
+from podsim import run as run_pod
 
 from kvxferd import protocol as P
 from kvxferd.client import RemoteRef
@@ -204,26 +206,45 @@ def _render(values: dict) -> dict[str, list[dict]]:
     return {name: [d for d in yaml.safe_load_all(text) if d] for name, text in rendered.items()}
 
 
-def test_helm_chart_lints_and_renders_valid_manifests():
-    import helm_python as helm
+CURVE = {"curve": {"existingSecret": "kvxferd-curve"}}
+
+
+def _validate(docs: dict[str, list[dict]]) -> None:
+    """Every manifest, strictly, against the newest Kubernetes schema kubernetes-validate has."""
     import kubernetes_validate
 
-    lint = helm.lint(str(ROOT / "helm" / "kvxferd"))
-    assert not lint["errors"] and all(m["severity"] < 2 for m in lint["messages"]), lint
     version = kubernetes_validate.latest_version()
+    for ds in docs.values():
+        for d in ds:
+            if d["kind"] == "ServiceMonitor":  # a CRD: no schema offline, check its shape
+                assert (d["apiVersion"] == "monitoring.coreos.com/v1"
+                        and d["spec"]["endpoints"][0]["port"] == "metrics")
+                continue
+            kubernetes_validate.validate(d, version, strict=True)
+
+
+def _pod(docs: dict[str, list[dict]]) -> dict:
+    return next(d for ds in docs.values() for d in ds if d["kind"] in ("DaemonSet", "Deployment"))["spec"]["template"]
+
+
+def _kvxferd_env(docs: dict[str, list[dict]]) -> dict[str, str]:
+    kvx = next(c for c in _pod(docs)["spec"]["containers"] if c["name"] == "kvxferd")
+    return {e["name"]: e.get("value", "(from)") for e in kvx["env"]}
+
+
+def test_helm_chart_lints_and_renders_valid_manifests():
+    import helm_python as helm
+
+    for values in ({}, CURVE):
+        lint = helm.lint(str(ROOT / "helm" / "kvxferd"), values)
+        assert not lint["errors"] and all(m["severity"] < 2 for m in lint["messages"]), lint
     for mode in ("daemonset", "sidecar"):
         docs = _render({"mode": mode, "serviceMonitor": {"enabled": True}, "dashboard": {"enabled": True},
-                        "config": {"allowedUids": [1000], "ucx": {"UCX_TLS": "rc,cuda_copy"}}})
+                        "config": {"allowedUids": [1000], "ucx": {"UCX_TLS": "rc,cuda_copy"}}, **CURVE})
         kinds = {d["kind"] for ds in docs.values() for d in ds}
         workload = "DaemonSet" if mode == "daemonset" else "Deployment"
         assert {workload, "ConfigMap", "Service", "ServiceMonitor"} <= kinds
-        for ds in docs.values():
-            for d in ds:
-                if d["kind"] == "ServiceMonitor":  # a CRD: no schema offline, check its shape
-                    assert (d["apiVersion"] == "monitoring.coreos.com/v1"
-                            and d["spec"]["endpoints"][0]["port"] == "metrics")
-                    continue
-                kubernetes_validate.validate(d, version, strict=True)
+        _validate(docs)
         config = next(d for d in docs["kvxferd/templates/configmap.yaml"])
         parsed = tomllib.loads(config["data"]["kvxferd.toml"])
         from kvxferd.config import load
@@ -241,14 +262,166 @@ def test_helm_chart_lints_and_renders_valid_manifests():
             assert names == ["inference", "kvxferd"]
             mounts = {c["name"]: [m["mountPath"] for m in c["volumeMounts"]] for c in spec["containers"]}
             assert "/run/kvxferd" in mounts["inference"] and "/run/kvxferd" in mounts["kvxferd"]
-    dashboard = next(d for d in _render({"dashboard": {"enabled": True}})["kvxferd/templates/dashboard.yaml"])
+        # the Curve Secret, mounted where the environment says the keys are
+        assert {"name": "curve", "secret": {"secretName": "kvxferd-curve", "defaultMode": 0o440}} in spec["volumes"]
+        kvx = next(c for c in spec["containers"] if c["name"] == "kvxferd")
+        assert {"name": "curve", "mountPath": "/etc/kvxferd/curve", "readOnly": True} in kvx["volumeMounts"]
+        env = _kvxferd_env(docs)
+        assert env["KVXFERD_CURVE_SECRET_KEY_FILE"] == "/etc/kvxferd/curve/kvxferd.key_secret"
+        assert env["KVXFERD_CURVE_AUTHORIZED_KEYS_DIR"] == "/etc/kvxferd/curve"
+        assert env["KVXFERD_SIDE_CHANNEL_HOST"] == "0.0.0.0" and env["KVXFERD_SIDE_CHANNEL_INSECURE"] == "false"
+    dashboard = next(d for d in _render({"dashboard": {"enabled": True}, **CURVE})["kvxferd/templates/dashboard.yaml"])
     assert json.loads(dashboard["data"]["kvxferd.json"]) == json.loads(
         (DEPLOY / "grafana" / "kvxferd.json").read_text())
+
+
+def test_helm_chart_refuses_to_render_an_open_side_channel():
+    """No Curve Secret: the render fails, saying how to make one; an explicit insecure setting or a
+    loopback side channel renders without keys (and the daemon's own check agrees)."""
+    import helm_python as helm
+
+    from kvxferd.config import ConfigError, check_side_channel, load
+
+    for mode in ("daemonset", "sidecar"):
+        with pytest.raises(helm.HelmRenderError) as err:
+            _render({"mode": mode})
+        message = str(err.value)
+        for words in ("curve.existingSecret is required", "side channel listens on 0.0.0.0:5600",
+                      "kvxferd keys generate ./kvxferd-curve --name kvxferd",
+                      "kubectl -n inference create secret generic kvxferd-curve --from-file=./kvxferd-curve",
+                      "--set curve.existingSecret=kvxferd-curve", "--set config.sideChannelInsecure=true"):
+            assert words in message, message
+        for values, insecure in (({"config": {"sideChannelInsecure": True}}, True),
+                                 ({"config": {"sideChannelHost": "127.0.0.1"}}, False)):
+            docs = _render({"mode": mode, **values})
+            _validate(docs)
+            spec = _pod(docs)["spec"]
+            assert not any(v["name"] == "curve" for v in spec["volumes"])
+            env = {k: v for k, v in _kvxferd_env(docs).items() if v != "(from)"}
+            assert env["KVXFERD_CURVE_SECRET_KEY_FILE"] == "" and env["KVXFERD_CURVE_AUTHORIZED_KEYS_DIR"] == ""
+            assert env["KVXFERD_SIDE_CHANNEL_INSECURE"] == str(insecure).lower()
+            # the image's environment overridden by the container's: what the daemon checks at start
+            cfg = load(env={**image()["env"], **env})
+            if insecure:
+                assert "side_channel_insecure = true" in (check_side_channel(cfg) or "")
+            else:
+                assert check_side_channel(cfg) is None
+            with pytest.raises(ConfigError, match="refusing to serve the side channel"):
+                check_side_channel(load(env={**image()["env"], **env, "KVXFERD_SIDE_CHANNEL_INSECURE": "false",
+                                             "KVXFERD_SIDE_CHANNEL_HOST": "0.0.0.0"}))
 
 
 def test_dockerfile_passes_hadolint():
     result = subprocess.run([tool("hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_and_toml_bind_beyond_loopback_only_with_keys():
+    from kvxferd.config import check_curve_files, check_side_channel, load
+
+    for cfg in (load(env=image()["env"]), load(str(DEPLOY / "kvxferd.toml"), env={})):
+        assert cfg.side_channel_host == "0.0.0.0" and not cfg.side_channel_insecure
+        assert cfg.curve_secret_key_file == "/etc/kvxferd/curve/kvxferd.key_secret"
+        assert cfg.curve_authorized_keys_dir == "/etc/kvxferd/curve"
+        assert check_side_channel(cfg) is None
+        with pytest.raises(ValueError, match="does not exist: create them with `kvxferd keys generate"):
+            check_curve_files(cfg)  # no keys on this machine there: the start fails by name
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """`kvxferd keys generate` as docs/deploy.md says: the cluster's keypair, and a stranger's."""
+    base = tmp_path_factory.mktemp("keys")
+    for d, name in (("curve", "kvxferd"), ("stranger", "stranger")):
+        subprocess.run([sys.executable, "-m", "kvxferd", "keys", "generate", str(base / d), "--name", name],
+                       check=True, capture_output=True)
+    return base / "curve", base / "stranger"
+
+
+def _key_files(directory: Path, to: str, uid: int, gid: int, secret_mode: str) -> list[dict]:
+    return [{"path": f"{to}/{f.name}", "text": f.read_text(), "uid": uid, "gid": gid,
+             "mode": secret_mode if f.name.endswith("_secret") else "0644"} for f in sorted(directory.iterdir())]
+
+
+def _probes(keys) -> tuple[list[dict], list[dict]]:
+    """Side-channel probes from another process: the deployment's keys, none, a stranger's."""
+    base = {"engine": "engine", "host": "127.0.0.1", "port": 5600}
+    return _key_files(keys[1], "/run/stranger", 0, 0, "0600"), [
+        {**base, "label": "keys", "secret": "/etc/kvxferd/curve/kvxferd.key_secret"},
+        {**base, "label": "none"},
+        {**base, "label": "stranger", "secret": "/run/stranger/stranger.key_secret",
+         "server_key": "/etc/kvxferd/curve/kvxferd.key"}]
+
+
+def _assert_serves_with_keys_only(report: dict) -> None:
+    assert report["daemon"]["up"], report["daemon"]["log"]
+    assert report["engines"]["engine"]["ok"], report["engines"]
+    hs = report["handshakes"]
+    assert hs["keys"] == {"ok": True, "ranks": 1}, hs
+    assert hs["none"]["reason"] == "timeout" and hs["stranger"]["reason"] == "timeout", hs
+    assert report["status"]["side_channel_auth"] == "curve" and report["status"]["unauthenticated_peers"] >= 2
+    assert report["readyz"] == 200  # the image's HEALTHCHECK, the chart's readinessProbe
+    assert report["daemon"]["returncode"] == 0 and not report["daemon"]["socket_left"]
+
+
+needs_pods = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+
+
+@needs_pods
+@pytest.mark.parametrize("mounted", [True, False])
+def test_image_runs_as_configured_with_mounted_keys(tmp_path, keys, mounted):
+    """The image as `docker run` starts it (docs/deploy.md): its ENV, USER and CMD, /run/kvxferd as
+    its RUN makes it, keys mounted at /etc/kvxferd/curve owned by uid 10001, its own network
+    namespace. The side channel (0.0.0.0:5600) answers the keys' holder only. Without the keys
+    mounted the daemon does not start, and says which file is missing."""
+    img = image()
+    assert "chown kvxferd:kvxferd /run/kvxferd" in img["run"][0] and "chmod 0750 /run/kvxferd" in img["run"][0]
+    uid, gid = (int(x) for x in img["user"].split(":"))
+    files, probes = _probes(keys)
+    if mounted:
+        files += _key_files(keys[0], "/etc/kvxferd/curve", uid, gid, "0600")
+    spec = {"stage": str(tmp_path / "stage"), "groups": [["kvxferd", gid]], "users": [["kvxferd", uid, gid]],
+            "dirs": [{"path": "/run/kvxferd", "mode": "0750", "uid": uid, "gid": gid}], "files": files,
+            "daemon": {"argv": img["cmd"], "env": img["env"], "uid": uid, "gid": gid,
+                       "socket": img["env"]["KVXFERD_SOCKET_PATH"]},
+            "engines": [{"name": "engine", "env": {"KVXFERD_SOCKET_PATH": img["env"]["KVXFERD_SOCKET_PATH"]}}],
+            "handshakes": probes, "readyz": "http://127.0.0.1:9410/readyz"}
+    report = run_pod(spec, tmp_path)
+    if mounted:
+        _assert_serves_with_keys_only(report)
+    else:
+        assert not report["daemon"]["up"]
+        assert ("kvxferd: curve_secret_key_file /etc/kvxferd/curve/kvxferd.key_secret does not exist"
+                in report["daemon"]["log"]), report["daemon"]["log"]
+
+
+@needs_pods
+def test_systemd_service_runs_as_configured_with_keys(tmp_path, keys):
+    """deploy/kvxferd.toml under deploy/systemd/kvxferd.service's user, group and RuntimeDirectory,
+    keys where the toml's comments put them (secret 0640 root:kvxferd). An engine whose primary group
+    is kvxferd registers (socket 0660 kvxferd); the side channel answers the keys' holder only."""
+    unit = dict(line.split("=", 1) for line in (DEPLOY / "systemd" / "kvxferd.service").read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    assert unit["User"] == unit["Group"] == unit["RuntimeDirectory"] == "kvxferd"
+    exe, *argv = unit["ExecStart"].split()
+    assert exe.endswith("/kvxferd") and argv == ["serve", "--config", "/etc/kvxferd/kvxferd.toml"]
+    toml = (DEPLOY / "kvxferd.toml").read_text()
+    cfg = tomllib.loads(toml)
+    assert "chgrp kvxferd /etc/kvxferd/curve/kvxferd.key_secret && chmod 0640" in toml
+    uid = gid = 998  # a system user (useradd --system)
+    files, probes = _probes(keys)
+    files += [*_key_files(keys[0], "/etc/kvxferd/curve", 0, gid, "0640"),
+              {"path": "/etc/kvxferd/kvxferd.toml", "text": toml, "mode": "0644"}]
+    spec = {"stage": str(tmp_path / "stage"), "groups": [["kvxferd", gid]], "users": [["kvxferd", uid, gid]],
+            "dirs": [{"path": "/run/kvxferd", "mode": unit["RuntimeDirectoryMode"], "uid": uid, "gid": gid}],
+            "files": files,
+            "daemon": {"argv": argv, "env": {}, "uid": uid, "gid": gid, "groups": [gid], "socket": cfg["socket_path"]},
+            "engines": [{"name": "engine", "uid": 1000, "gid": gid,
+                         "env": {"KVXFERD_SOCKET_PATH": cfg["socket_path"]}}],
+            "handshakes": probes, "readyz": f"http://127.0.0.1:{cfg['metrics_port']}/readyz"}
+    report = run_pod(spec, tmp_path)
+    _assert_serves_with_keys_only(report)
+    assert report["socket"] == {"mode": "0660", "uid": uid, "gid": gid}
 
 
 def test_status_cli_tables_json_and_no_daemon(cluster, tmp_path):

@@ -27,7 +27,7 @@ import pytest
 from vllm_world import MODELS, daemon_status, start, text, wait_until
 
 from kvxferd.lab.synthetic.demo import DaemonProcess
-from kvxferd.lab.vllm_servers import VllmServer, free_port, handoff, make_model, prompts
+from kvxferd.lab.vllm_servers import VllmServer, handoff, make_model, prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -82,11 +82,11 @@ class World:
         model, other = make_model(base.with_name(base.name + "-seed0"), 0, kind), \
             make_model(base.with_name(base.name + "-seed1"), 1, kind)
         audit = ["--integrity-audit", "--handshake-timeout", "30"]  # a busy 2-core machine: see World
-        self.metrics = {"b": free_port(), "c": free_port()}
         self.da = DaemonProcess(workdir, f"{family.name}-a", extra=audit)
-        self.db = DaemonProcess(workdir, f"{family.name}-b", metrics_port=self.metrics["b"], extra=audit)
-        self.dc = DaemonProcess(workdir, f"{family.name}-c", metrics_port=self.metrics["c"], extra=audit) \
+        self.db = DaemonProcess(workdir, f"{family.name}-b", metrics_port=0, extra=audit)
+        self.dc = DaemonProcess(workdir, f"{family.name}-c", metrics_port=0, extra=audit) \
             if family.heterogeneous else None
+        self.metrics = {"b": self.db.metrics_address, "c": self.dc.metrics_address if self.dc else ""}
         common = dict(dtype=family.dtype, block_size=family.block_size, prefix_caching=family.prefix_caching,
                       connector="kvxferd")
         lease = {"lease_s": LEASE_S}  # a refused read leaves its prefill hold to the lease
@@ -104,7 +104,7 @@ class World:
         return text(self.a.complete(prompt, 16))
 
     def metric(self, daemon: str, name: str, label: str = "") -> float:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[daemon]}/metrics", timeout=5).read().decode()
+        body = urllib.request.urlopen(f"http://{self.metrics[daemon]}/metrics", timeout=5).read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                    if line.startswith(name) and label in line)
 

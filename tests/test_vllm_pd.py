@@ -35,9 +35,8 @@ class World:
         self.workdir = workdir
         self.p_port = free_port()
         self.p_daemon = DaemonProcess(workdir, "p-daemon", side_channel_port=self.p_port)
-        self.d_metrics = free_port()
         # a TP 2 prefill's daemon, on two cores its engine keeps busy, has taken over 5 s to answer
-        self.d_daemon = DaemonProcess(workdir, "d-daemon", metrics_port=self.d_metrics,
+        self.d_daemon = DaemonProcess(workdir, "d-daemon", metrics_port=0,
                                       extra=["--handshake-timeout", "30"])
         m = model(0)
         self.ref = VllmServer(workdir, "single", m, cores="0", dtype=DTYPE)
@@ -56,7 +55,7 @@ class World:
         return self.expected[key]
 
     def bytes_read(self) -> float:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.d_metrics}/metrics", timeout=5).read().decode()
+        body = urllib.request.urlopen(f"http://{self.d_daemon.metrics_address}/metrics", timeout=5).read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                    if line.startswith("kvxferd_transfer_bytes_total"))
 

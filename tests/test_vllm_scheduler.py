@@ -73,6 +73,23 @@ def test_decode_reads_the_missing_tail_only():
     assert req.kv_transfer_params["do_remote_prefill"] is False  # read once, not again after a preemption
 
 
+def test_a_decode_request_is_expected_as_it_arrives_and_then_read_or_released():
+    """The daemon keeps the prefill's holds alive from the request's arrival (an expect order)
+    until the read or release that every such request ends in."""
+    s = side()
+    read_req, aborted = Request("req-d", 100, prefill_params()), Request("req-a", 100, prefill_params())
+    s.new_request(read_req)
+    s.new_request(aborted)
+    s.new_request(Request("req-local", 100, None))  # nothing to read: nothing expected
+    orders = s.take_orders()
+    assert [(e.request_id, e.remote.request_id) for e in orders.expects] == [("req-d", "req-p"), ("req-a", "req-p")]
+    assert orders.reads == []
+    assert s.matched_tokens(read_req, 0) == (100, True)
+    s.after_alloc(read_req, Blocks([[10, 11, 12, 13]]), 100)
+    s.finished(aborted, ([],), completed=False)
+    assert [(r.request_id, r.is_release) for r in s.take_orders().reads] == [("req-d", False), ("req-a", True)]
+
+
 def test_decode_full_hit_releases_without_reading():
     s = side()
     req = Request("req-d", 97, prefill_params(97))

@@ -2,7 +2,12 @@
 concurrent reads of 16 blocks (TP 1 -> 1, small pages so that the data plane is not the limit).
 
 Client latency: read call -> completion delivered to the engine. Daemon latency, measured
-inside the decode daemon: read RPC received -> READs posted, and -> completion queued.
+inside the decode daemon: read RPC received -> READs posted, and -> completion queued. The
+prefill engine holds each request before it is read (untimed), as a prefill does.
+
+`run_leases`: what fail-closed reads cost (leases.py), one read in flight: today's read with
+confirmation off, against confirmation on for a read the engine did not announce (its claim
+goes out with the READ) and for one it announced (`expect`, as vLLM's connector does).
 """
 
 from __future__ import annotations
@@ -15,20 +20,28 @@ from .. import protocol as P
 from ..client import AsyncEngineClient, Completion, RemoteRef
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
-from .harness import BenchEngine, daemons, pct
+from .harness import BenchEngine, daemons, environment, median, pct
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=8192)
 BLOCKS = 16
 
 
-async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
-                 requests: int, batch: int = 1) -> tuple[float, list[float]]:
+async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
+                 requests: int, batch: int = 1, prefill: tuple[str, str] = ("", ""),
+                 announce: bool = False, pause_s: float = 0.0) -> tuple[float, list[float]]:
     """`requests` reads, `concurrency` in flight; one connection posts, another streams completions.
 
     `batch` > 1: reads go `batch` to a frame (protocol 2), posted whenever that many slots are free.
+    `prefill`: the prefill engine's socket and token; it holds each request first (untimed).
+    `announce`: the decode engine expects each request before reading it (untimed).
+    `pause_s`: between the hold (and expect) and the read, as a request waits to be scheduled.
     """
     poster = await AsyncEngineClient.connect(socket, "d", 0, 1)
     poller = await AsyncEngineClient.connect(socket, "d", 0, 1)
+    holder = await AsyncEngineClient.connect(prefill[0], "p", 0, 1)
+    await poster.attach(token)  # the rank was registered on another connection (BenchEngine's)
+    await poller.attach(token)
+    await holder.attach(prefill[1])
     waiting: dict[str, asyncio.Future[Completion]] = {}
     latencies: list[float] = []
 
@@ -44,8 +57,14 @@ async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int,
         blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         waiting[rid] = fut
+        remote = RemoteRef("p", remote_host, remote_port, 1, rid)
+        await holder.hold(rid, 60.0, blocks)
+        if announce:
+            await poster.expect(rid, remote)
+        if pause_s:
+            await asyncio.sleep(pause_s)
         t0 = time.perf_counter()
-        await poster.read(rid, RemoteRef("p", remote_host, remote_port, 1, rid), BLOCKS * 16, blocks, blocks)
+        await poster.read(rid, remote, BLOCKS * 16, blocks, blocks)
         c = await fut
         latencies.append(time.perf_counter() - t0)
         assert c.status == "received", c
@@ -55,11 +74,11 @@ async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int,
     latencies.clear()
     if batch > 1:
         t0 = time.perf_counter()
-        await _batched(poster, waiting, latencies, remote_host, remote_port, concurrency, requests, batch)
+        await _batched(poster, holder, waiting, latencies, remote_host, remote_port, concurrency, requests, batch)
         elapsed = time.perf_counter() - t0
         pump_task.cancel()
-        poster.close()
-        poller.close()
+        for c in (poster, poller, holder):
+            c.close()
         return elapsed, latencies
     sem = asyncio.Semaphore(concurrency)
     slots = list(range(concurrency))
@@ -76,12 +95,12 @@ async def _drive(socket: str, geo: Geometry, remote_host: str, remote_port: int,
     await asyncio.gather(*(guarded(i) for i in range(requests)))
     elapsed = time.perf_counter() - t0
     pump_task.cancel()
-    poster.close()
-    poller.close()
+    for c in (poster, poller, holder):
+        c.close()
     return elapsed, latencies
 
 
-async def _batched(poster: AsyncEngineClient, waiting: dict[str, asyncio.Future[Completion]],
+async def _batched(poster: AsyncEngineClient, holder: AsyncEngineClient, waiting: dict[str, asyncio.Future[Completion]],
                    latencies: list[float], host: str, port: int, concurrency: int, requests: int,
                    batch: int) -> None:
     free = list(range(concurrency))
@@ -105,7 +124,12 @@ async def _batched(poster: AsyncEngineClient, waiting: dict[str, asyncio.Future[
         async with room:
             await room.wait_for(room_for(n))
             slots = [free.pop() for _ in range(n)]
-        msgs: list[P.Hold | P.Read] = []
+        msgs: list[P.Hold | P.Read | P.Expect] = []
+        holds: list[P.Hold | P.Read | P.Expect] = []
+        for k, slot in enumerate(slots):
+            blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
+            holds.append(holder.requests.hold(f"b{concurrency}-{sent + k}", 60.0, blocks))
+        assert all(e is None for e in await holder.batch(holds))
         t0 = time.perf_counter()
         for slot in slots:
             rid = f"b{concurrency}-{sent}"
@@ -132,7 +156,8 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
             d = BenchEngine(dd.socket, "d", geo)
             host, port = p.side_channel.rsplit(":", 1)
             n = requests if concurrency > 1 else max(200, requests // 4)
-            elapsed, lat = asyncio.run(_drive(dd.socket, geo, host, int(port), concurrency, n, per_frame))
+            elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
+                                              per_frame, (pd.socket, p.client.token)))
             daemon = d.client.status().latency_us
             rows.append({"concurrency": concurrency, "batch": per_frame, "requests": n, "req_per_s": n / elapsed,
                          "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
@@ -143,6 +168,49 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
             d.close()
             p.close()
     return rows
+
+
+LEASE_MODES: tuple[tuple[str, list[str], bool], ...] = (
+    ("off", ["--no-confirm-leases"], False), ("unannounced", [], False), ("announced", [], True))
+PAUSE_S = 0.002  # hold -> read: the expect's claim is answered meanwhile (the same pause in every mode)
+# Small-page READs complete with the prefill daemon's progress: after the pause its idle pacing
+# (pace.py) would decide the READ's time, differently in each mode (a claim wakes it). A spin
+# window longer than the pause keeps both daemons progressing, so the modes differ by leases only.
+SPIN = {"KVXFERD_SPIN_S": "0.01"}
+
+
+def run_leases(requests: int = 1000, rounds: int = 3) -> list[dict[str, float | str]]:
+    """Per mode, medians over alternating rounds of a 16-block read's latency, one in flight."""
+    samples: dict[str, dict[str, list[float]]] = {m: {"client": [], "daemon": []} for m, _, _ in LEASE_MODES}
+    for _ in range(rounds):
+        for mode, extra, announce in LEASE_MODES:
+            with environment(SPIN), daemons(2, extra) as (pd, dd):
+                geo = build(SHAPE, 1, 0)
+                p = BenchEngine(pd.socket, "p", geo)
+                d = BenchEngine(dd.socket, "d", geo)
+                host, port = p.side_channel.rsplit(":", 1)
+                _, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), 1, requests, 1,
+                                            (pd.socket, p.client.token), announce, PAUSE_S))
+                samples[mode]["client"].append(pct(lat, 50) * 1e6)
+                samples[mode]["daemon"].append(_us(d.client.status().latency_us.rpc_to_completion.p50))
+                d.close()
+                p.close()
+    base = samples["off"]
+    rows: list[dict[str, float | str]] = []
+    for mode, _, _ in LEASE_MODES:
+        client, daemon = median(samples[mode]["client"]), median(samples[mode]["daemon"])
+        rows.append({"mode": mode, "requests": requests, "rounds": rounds, "client_p50_us": client,
+                     "rpc_to_completion_p50_us": daemon, "client_ratio": client / median(base["client"]),
+                     "daemon_ratio": daemon / median(base["daemon"])})
+    return rows
+
+
+def render_leases(rows: list[dict[str, float | str]]) -> str:
+    lines = [f"{'confirmation':>13} {'client p50 us':>14} {'x off':>6} {'rpc->done p50 us':>17} {'x off':>6}"]
+    for r in rows:
+        lines.append(f"{r['mode']:>13} {r['client_p50_us']:>14.0f} {r['client_ratio']:>6.3f} "
+                     f"{r['rpc_to_completion_p50_us']:>17.0f} {r['daemon_ratio']:>6.3f}")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict[str, float]]) -> str:

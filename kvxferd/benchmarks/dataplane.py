@@ -176,6 +176,7 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
         acks: list[float] = []
         for i in range(repeats + 2):
             remote = RemoteRef(f"p{page}", host, int(port), 1, f"r{i}")
+            p.client.hold(f"r{i}", 300.0, blocks)  # what a prefill does first (untimed)
             t0 = time.perf_counter()
             d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
             ack = time.perf_counter() - t0
@@ -205,6 +206,9 @@ def small_reads_meanwhile(sockets: list[str], page: int, n: int, repeats: int) -
         latencies: list[float] = []
         with ThreadPoolExecutor(1) as pool:
             for i in range(repeats + 2):
+                p.client.hold(f"b{i}", 300.0, big)
+                ps.client.hold(f"s{i}", 300.0, one)
+
                 def large(i: int = i) -> str:
                     d.client.read(f"b{i}", RemoteRef("pbig", host, int(port), 1, f"b{i}"), n * 16, big, big, 120)
                     return d.wait(f"b{i}").status

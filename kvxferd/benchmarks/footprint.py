@@ -49,6 +49,7 @@ def run(d_tp: int = 8, p_tp: int = 8) -> dict[str, float]:
         p = BenchEngine(pd.socket, "p", build(LLAMA70B, p_tp, 0), touch=False)
         host, port = p.side_channel.rsplit(":", 1)
         ids = [list(range(64))]
+        p.client.hold("r0", 300.0, ids)
         t0 = time.perf_counter()
         d.client.read("r0", RemoteRef("p", host, int(port), p_tp, "r0"), 64 * 16, ids, ids, deadline_s=300)
         assert d.wait("r0", 300).status == "received"

@@ -24,6 +24,7 @@ def run(peers: int = 5, blocks: int = 16) -> list[dict[str, float]]:
                 times: list[float] = []
                 for j in range(2):
                     rid = f"h{i}-{j}"
+                    p.client.hold(rid, 300.0, ids)
                     t0 = time.perf_counter()
                     d.client.read(rid, RemoteRef("p", host, int(port), 1, rid), blocks * 16, ids, ids)
                     c = d.wait(rid)

@@ -73,6 +73,8 @@ def ranks(d_tp: int = 8, p_tp: int = 4, blocks: int = 64) -> dict[str, Any]:
         firsts, rss = [], []
         for d in decode:
             rid = f"r{d.geo.tp_rank}"
+            for p in prefill:  # every prefill rank holds the request, as a prefill engine's do
+                p.client.hold(rid, 300.0, ids)
             t0 = time.perf_counter()
             d.client.read(rid, RemoteRef("p", host, int(port), p_tp, rid), blocks * 16, ids, ids, deadline_s=300)
             assert d.wait(rid, 300).status == "received"

@@ -56,12 +56,22 @@ class ReadOrder(msgspec.Struct, array_like=True):
         return not any(self.local_blocks)
 
 
+class ExpectOrder(msgspec.Struct, array_like=True):
+    """Decode: a request that will read `remote` arrived; its read (or release) follows once it
+    is scheduled. The daemon keeps the prefill's holds alive meanwhile (a decode busy for longer
+    than the prefill's lease still finds the KV)."""
+
+    request_id: str
+    remote: RemoteRef
+
+
 class Orders(msgspec.Struct, array_like=True):
     """What the scheduler tells every worker in one step."""
 
     holds: list[HoldOrder] = []
     reads: list[ReadOrder] = []
     idle: bool = False  # no tokens scheduled this step: the engine only waits for transfers
+    expects: list[ExpectOrder] = []
 
 
 NULL_BLOCK = 0  # vLLM's placeholder block: in a list, a block the group does not keep

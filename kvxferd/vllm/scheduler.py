@@ -2,7 +2,9 @@
 
     prefill:  new request (do_remote_decode, a state group) -> stop one token short of the prompt
               request_finished(do_remote_decode) -> delay free, hold order, params for D
-    decode:   get_num_new_matched_tokens(do_remote_prefill) -> (missing tokens, async)
+    decode:   new request (do_remote_prefill) -> expect order (the prefill's holds kept alive
+              while the request waits to be scheduled)
+              get_num_new_matched_tokens(do_remote_prefill) -> (missing tokens, async)
               update_state_after_alloc -> read order (the missing tail) or release (full hit)
               request_finished before any of that (abort) -> release
     each step: build_connector_meta -> Orders for every worker
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .handoff import (
+    ExpectOrder,
     GroupInfo,
     HandoffError,
     HoldOrder,
@@ -44,8 +47,14 @@ class SchedulerSide:
 
     # --- prefill -------------------------------------------------------------
     def new_request(self, request: Any) -> None:
-        """A request about to be scheduled: a prefill for a remote decode of a state model
-        computes all but the last prompt token (vLLM's Request, trimmed in place, once)."""
+        """A request about to be scheduled. A decode's: its read is expected (every request
+        that names a prefill ends in a read or a release order). A prefill's for a remote
+        decode of a state model: it computes all but the last prompt token (vLLM's Request,
+        trimmed in place, once)."""
+        prefill = self._remote(request)
+        if prefill is not None:
+            self.orders.expects.append(ExpectOrder(request.request_id, prefill.remote))
+            return
         params = request.kv_transfer_params
         if (not self.backoff or not params or not params.get("do_remote_decode")
                 or params.get("_kvxferd_truncated") or request.num_prompt_tokens <= self.backoff

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..memory import sealed_memfd
+
 log = logging.getLogger("kvxferd.vllm")
 
 
@@ -98,8 +100,7 @@ def _allocate(nbytes: int, device: Any) -> SharedBuffer:
     import torch
 
     if device.type == "cpu":
-        fd = os.memfd_create("kvxferd-vllm-kv", os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
+        fd = sealed_memfd(nbytes, "kvxferd-vllm-kv")
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         tensor = torch.frombuffer(mm, dtype=torch.uint8)
         storage = tensor.untyped_storage()

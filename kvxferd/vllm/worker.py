@@ -30,7 +30,7 @@ import msgspec
 
 from ..client import DaemonError, EngineClient, MemoryHandle
 from ..plan.geometry import Geometry
-from .handoff import HoldOrder, Orders, ReadOrder
+from .handoff import ExpectOrder, HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
 
 log = logging.getLogger("kvxferd.vllm")
@@ -73,6 +73,12 @@ class WorkerSide:
         self.geometry: Geometry | None = None
         self.buffers: list[SharedBuffer] = []
         self.holds: dict[str, tuple[HoldOrder, float]] = {}  # request -> (order, lease end, monotonic)
+        # Holds the connected daemon accepted (request -> when): it ends them (sent / expired), maybe
+        # long after their lease while a decode's claims keep them: never freed here while it is
+        # connected, nor before its claims could end if the connection drops (`_lost`).
+        self.accepted: dict[str, float] = {}
+        self.daemon_agent = ""  # the daemon instance connected last (a new agent: it restarted)
+        self.max_lease_s = 0.0  # the daemon's: how long claims may keep a hold
         self.reading: dict[str, ReadOrder] = {}
         self.releasing: set[str] = set()
         self.finished = Finished()
@@ -102,8 +108,15 @@ class WorkerSide:
         try:
             memory = [MemoryHandle(b.kind, b.nbytes, b.device) for b in self.buffers]
             side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers])
-            for order, end in self.holds.values():
-                client.hold(order.request_id, max(0.1, end - time.monotonic()), order.block_ids)
+            now = time.monotonic()
+            for request_id, (order, end) in list(self.holds.items()):
+                if client.agent != self.daemon_agent:  # a new daemon: the old one's claims died with it
+                    end = now + order.lease_s if end > now + order.lease_s else end
+                    self.holds[request_id] = (order, end)
+                client.hold(order.request_id, max(0.1, min(end - now, client.max_lease_s or end - now)),
+                            order.block_ids)
+                self.accepted[order.request_id] = now
+            self.daemon_agent, self.max_lease_s = client.agent, client.max_lease_s
         except (OSError, DaemonError) as exc:
             client.close()
             raise RuntimeError(f"kvxferd: registering engine {self.engine_id} rank {self.rank} failed: {exc}") \
@@ -133,6 +146,13 @@ class WorkerSide:
         if self.client is not None:
             self.client.close()
         self.client = None
+        # The daemon, if it lives, may have vouched for these blocks to a decode reading them, up to
+        # max_lease_s after it accepted them: kept that long unless it turns out to be a new daemon.
+        for request_id, since in self.accepted.items():
+            if request_id in self.holds:
+                order, end = self.holds[request_id]
+                self.holds[request_id] = (order, max(end, since + self.max_lease_s))
+        self.accepted.clear()
         for request_id in list(self.reading):
             self._fail(request_id, f"daemon connection lost: {exc}")
         self.releasing.clear()  # the prefill side's lease frees those blocks
@@ -145,9 +165,12 @@ class WorkerSide:
     def _start(self, orders: Orders) -> None:
         self.idle_step = orders.idle
         now = time.monotonic()
+        for expect in orders.expects:
+            self._call(expect.request_id, _expect_rpc(expect))
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
-            self._call(hold.request_id, _hold_rpc(hold))
+            if self._call(hold.request_id, _hold_rpc(hold)):
+                self.accepted[hold.request_id] = now
         for read in orders.reads:
             if read.refusal:  # cannot be read as vLLM was promised: fail it here, free the prefill's hold
                 self.reading[read.request_id] = read
@@ -159,14 +182,16 @@ class WorkerSide:
                 self.reading[read.request_id] = read
             self._call(read.request_id, _read_rpc(read, self.read_deadline_s))
 
-    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> None:
+    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> bool:
+        """True when the daemon took the order."""
         if self.client is None:
             if request_id in self.reading:
                 self._fail(request_id, "no kvxferd daemon connected")
             self.releasing.discard(request_id)
-            return
+            return False
         try:
             rpc(self.client)
+            return True
         except DaemonError as exc:  # refused: this request only
             log.warning("kvxferd refused request %s: %s", request_id, exc)
             if request_id in self.reading:
@@ -174,6 +199,7 @@ class WorkerSide:
             self.releasing.discard(request_id)
         except OSError as exc:
             self._lost(exc)
+        return False
 
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
@@ -199,6 +225,7 @@ class WorkerSide:
             return
         for c in completions:
             if c.status in ("sent", "expired"):
+                self.accepted.pop(c.request_id, None)
                 if self.holds.pop(c.request_id, None) is not None:
                     self.finished.sending.add(c.request_id)
                     self.stats.sent += c.status == "sent"
@@ -240,6 +267,8 @@ class WorkerSide:
         now = time.monotonic()
         grace = 0.0 if self.client is None else ORPHAN_GRACE_S
         for request_id, (_, end) in list(self.holds.items()):
+            if self.client is not None and request_id in self.accepted:
+                continue  # the daemon ends it, at its lease or when the last claim on it passes
             if now >= end + grace:
                 del self.holds[request_id]
                 self.finished.sending.add(request_id)
@@ -267,6 +296,12 @@ class WorkerSide:
 def _hold_rpc(order: HoldOrder) -> Callable[[EngineClient], None]:
     def rpc(c: EngineClient) -> None:
         c.hold(order.request_id, order.lease_s, order.block_ids)
+    return rpc
+
+
+def _expect_rpc(order: ExpectOrder) -> Callable[[EngineClient], None]:
+    def rpc(c: EngineClient) -> None:
+        c.expect(order.request_id, order.remote)
     return rpc
 
 

@@ -19,6 +19,55 @@ app.kubernetes.io/name: {{ include "kvxferd.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The engine socket. daemonset: in the host directory socketHostPath (made kvxferd's by the
+     init container). sidecar: the shared emptyDir is world-writable (0777), which the daemon
+     refuses as the socket's directory, so the socket lives in a directory the daemon creates
+     inside it (0750, docs/deploy.md "The engine socket"). */}}
+{{- define "kvxferd.socketPath" -}}
+{{- if eq .Values.mode "sidecar" -}}
+/run/kvxferd/daemon/kvxferd.sock
+{{- else -}}
+/run/kvxferd/kvxferd.sock
+{{- end -}}
+{{- end -}}
+
+{{/* The Curve Secret's name; fails the render when the side channel would listen beyond
+     loopback with no keys and no explicit config.sideChannelInsecure. */}}
+{{- define "kvxferd.curveSecret" -}}
+{{- $host := .Values.config.sideChannelHost | toString -}}
+{{- $loopback := or (hasPrefix "127." $host) (eq $host "::1") (eq $host "localhost") -}}
+{{- if not (or .Values.curve.existingSecret .Values.config.sideChannelInsecure $loopback) -}}
+{{- fail (printf `
+
+kvxferd: curve.existingSecret is required. The side channel listens on %s:%v, and without
+CurveZMQ keys any host that reaches it could handshake and read the KV blocks kvxferd holds.
+Create one keypair for the daemons that talk to each other and a Secret holding it:
+
+  kvxferd keys generate ./kvxferd-curve --name kvxferd
+  kubectl -n %s create secret generic kvxferd-curve --from-file=./kvxferd-curve
+
+then install with --set curve.existingSecret=kvxferd-curve (the other daemons' releases too).
+On a network where every host may read the KV cache: --set config.sideChannelInsecure=true.
+` $host .Values.config.sideChannelPort .Release.Namespace) -}}
+{{- end -}}
+{{- .Values.curve.existingSecret -}}
+{{- end -}}
+
+{{/* Volumes both modes mount into the kvxferd container (the socket volume differs). */}}
+{{- define "kvxferd.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "kvxferd.fullname" . }}
+{{- with include "kvxferd.curveSecret" . }}
+- name: curve
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
 {{/* The kvxferd container; the same in both modes. Copy it into your own pod spec to run
      kvxferd as a sidecar of an existing inference workload. */}}
 {{- define "kvxferd.container" -}}
@@ -26,11 +75,38 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   args: ["serve", "--config", "/etc/kvxferd/kvxferd.toml"]
+  # What the image's environment sets (socket, side channel, Curve keys, metrics, log format) is
+  # set here: the environment overrides kvxferd.toml.
   env:
     - name: KVXFERD_ADVERTISE_HOST
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
+    - name: KVXFERD_SOCKET_PATH
+      value: {{ include "kvxferd.socketPath" . | quote }}
+    - name: KVXFERD_SIDE_CHANNEL_HOST
+      value: {{ .Values.config.sideChannelHost | quote }}
+    - name: KVXFERD_SIDE_CHANNEL_INSECURE
+      value: {{ .Values.config.sideChannelInsecure | toString | quote }}
+    {{- if include "kvxferd.curveSecret" . }}
+    - name: KVXFERD_CURVE_SECRET_KEY_FILE
+      value: "/etc/kvxferd/curve/{{ .Values.curve.secretKeyName }}"
+    - name: KVXFERD_CURVE_AUTHORIZED_KEYS_DIR
+      value: /etc/kvxferd/curve
+    {{- with .Values.curve.serverKeyName }}
+    - name: KVXFERD_CURVE_SERVER_KEY_FILE
+      value: "/etc/kvxferd/curve/{{ . }}"
+    {{- end }}
+    {{- else }}
+    - name: KVXFERD_CURVE_SECRET_KEY_FILE
+      value: ""
+    - name: KVXFERD_CURVE_AUTHORIZED_KEYS_DIR
+      value: ""
+    {{- end }}
+    - name: KVXFERD_METRICS_HOST
+      value: "0.0.0.0"
+    - name: KVXFERD_LOG_FORMAT
+      value: {{ .Values.config.logFormat | quote }}
   ports:
     - name: side-channel
       containerPort: {{ .Values.config.sideChannelPort }}
@@ -57,8 +133,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - name: socket
       mountPath: /run/kvxferd
     - name: config
-      mountPath: /etc/kvxferd
+      mountPath: /etc/kvxferd/kvxferd.toml
+      subPath: kvxferd.toml
       readOnly: true
+    {{- if include "kvxferd.curveSecret" . }}
+    - name: curve
+      mountPath: /etc/kvxferd/curve
+      readOnly: true
+    {{- end }}
     - name: tmp
       mountPath: /tmp
 {{- end -}}

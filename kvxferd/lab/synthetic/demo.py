@@ -100,6 +100,9 @@ class EngineProcess:
         return dict(self._call("decode", seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, shape, audit,
                                timeout=deadline_s + 60))
 
+    def expect(self, seq: int, remote: RemoteRef) -> None:
+        self._call("expect", seq, remote)
+
     def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
                   hit_tokens: int, deadline_s: float, audit: bool | None = None) -> list[list[int]]:
         return list(self._call("post_read", seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, audit))
@@ -171,6 +174,18 @@ class DaemonProcess:
             except (ConnectionError, OSError):
                 time.sleep(0.05)
         raise DemoError(f"daemon {self.name} not ready within {timeout:g} s; see {self.log.name}")
+
+    @property
+    def metrics_address(self) -> str:
+        """host:port its metrics server bound (ask for port 0 and read it here: a port picked
+        beforehand may be taken by another process before the daemon binds it)."""
+        from ...client import Client
+
+        with Client(self.socket, 10) as c:
+            address = c.status().metrics
+        if address is None:
+            raise DemoError(f"daemon {self.name} serves no metrics")
+        return address
 
     def kill(self) -> None:
         """SIGKILL: no goodbye to peers or engines."""

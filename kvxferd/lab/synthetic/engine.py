@@ -150,6 +150,11 @@ class SyntheticEngine:
         return [self._wait(rank, f"req-{seq}", timeout_s).status for rank in self.ranks]
 
     # --- decode ---------------------------------------------------------------
+    def expect(self, seq: int, remote: RemoteRef) -> None:
+        """Announce a read before its blocks are allocated (the daemon keeps the prefill's holds alive)."""
+        for rank in self.ranks:
+            rank.client.expect(f"d-{seq}", remote)
+
     def post_read(self, seq: int, num_tokens: int, remote: RemoteRef, remote_blocks: Sequence[Sequence[int]],
                   hit_tokens: int, deadline_s: float, audit: bool | None = None) -> list[list[int]]:
         """Allocate blocks, write the locally cached prefix, ask every rank's daemon to read the rest."""

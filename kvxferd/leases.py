@@ -1,0 +1,325 @@
+"""Decode side: claims on the prefill holds this daemon reads or will read.
+
+A prefill engine frees a held request's blocks once its lease passes, and may fill them with
+another prompt's KV at once. A READ that runs after that delivers the other prompt's bytes, and
+NIXL reports it done all the same. So a read is reported `received` only if the prefill daemon
+vouched that the hold lived from before the READ's post to after its end:
+
+    read posted / engine expects R -> claim each prefill rank's hold (one LeaseRequest per peer
+                                      daemon per loop turn, sidelink.py)
+        answer "held", granted g, asked at s (our clock): the hold lives until >= s + g
+        answer "consumed": our own notification, sent after our READ ended, ended it
+    READ seen DONE at t:   a claim covers t -> "received" at once (no round trip)
+                           else ask again:  held / consumed -> "received"
+                                            ended, or pending until the deadline -> "failed expired"
+    while anything holds a claim (renewal on): asked again when a third of its grant is left
+
+Why this is enough: the prefill daemon answers "held" only for a hold that never ended (one held
+again after ending is "ended"), and does not end a hold it answered before the time it granted,
+not even once its consumers all notified (a pin, cleared by our own notification). "held"
+asked at s > t, or granted past t, means the blocks were the request's through t; "consumed"
+with our notification means through our READ's end. Both clocks only measure durations (a
+grant is seconds from its answer): they need not agree, only run at about the same rate.
+
+A decode engine that goes away stops renewing: its claims lapse with their grant, and the
+prefill's own lease decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import handshake as hs
+from . import protocol as P
+from .recorder import Recorder
+from .sidelink import Links
+
+log = logging.getLogger("kvxferd")
+
+ClaimKey = tuple[str, int, str, int, str]  # (peer host, side-channel port, engine id, prefill rank, request id)
+ExpectKey = tuple[str, int, str]  # (local engine id, tp rank, local request id)
+RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no answer
+SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds: clock rates and rounding
+RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
+WARN_S = 10.0
+MAX_EXPECTS = 1 << 16  # requests engines said they will read; beyond, the oldest are dropped
+MAX_EXPECT_CLAIMS = 1 << 18  # claims those expectations make (one per prefill rank: up to 4096 each)
+
+
+@dataclass(eq=False)
+class Claim:
+    holders: int = 0  # reads and expectations that need the hold
+    state: hs.ClaimState | None = None  # the last answer's; None: not answered yet
+    until: float = 0.0  # monotonic: the hold lives at least until then
+    held_since: float = 0.0  # monotonic: asked at this time, the answer was "held"
+    epoch: str = ""  # the holding engine's registration, as the last answer said
+    asking: asyncio.Future[None] | None = None  # a request naming it is out; done when answered
+    notified: bool = False  # a read of ours notified the hold: that cleared our pin there
+    unread: bool = False  # a read of ours that needed it failed (it never notified)
+    agent: str = ""  # the prefill daemon (NIXL agent) that answered last; "" if it did not say
+    unanswered: bool = False  # the last request naming it got no answer (refused, timed out)
+
+    def covers(self, t: float, epoch: str) -> bool:
+        """Vouched for through `t`, by the registration `epoch` the read was planned against."""
+        if epoch and self.epoch and epoch != self.epoch:
+            return False
+        return self.state == "consumed" or (self.state == "held" and (self.until > t or self.held_since > t))
+
+
+def claim_keys(ref: P.RemoteRef, ranks: Iterable[int]) -> list[ClaimKey]:
+    return [(ref.host, ref.port, ref.engine_id, rank, ref.request_id) for rank in ranks]
+
+
+class Leases:
+    def __init__(self, links: Links, recorder: Recorder, requester: str, extend_s: float, renew: bool,
+                 timeout_s: float, confirm: bool = True, max_expect_s: float = 600.0) -> None:
+        self._links = links
+        self._recorder = recorder
+        self._requester = requester  # our NIXL agent: the name our notifications arrive under
+        self._extend_s = extend_s if renew else 0.0
+        self._renew = renew
+        self._confirm = confirm
+        self._timeout_s = timeout_s
+        self._max_expect_s = max_expect_s
+        self._claims: dict[ClaimKey, Claim] = {}
+        self._queued: dict[tuple[str, int], set[ClaimKey]] = {}  # by peer address, sent at the turn's end
+        self._unclaim: dict[tuple[str, int], set[ClaimKey]] = {}  # released unread: unpinned at the turn's end
+        self._flushing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count(1)
+        self._expects: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
+        self._expect_claims = 0  # claim keys the expectations hold, together
+        self._renewals: list[tuple[float, ClaimKey]] = []  # heap: when a claim should be asked again
+        self._warned: dict[tuple[str, int], float] = {}  # peer -> when a refusal of it was last logged
+
+    @property
+    def claims(self) -> int:
+        return len(self._claims)
+
+    # --- who needs which hold -------------------------------------------------
+    def acquire(self, keys: list[ClaimKey]) -> None:
+        """Claim these holds (asked now, unless an answer already covers a while ahead)."""
+        if not self._confirm:
+            return
+        now = time.monotonic()
+        for key in keys:
+            c = self._claims.get(key)
+            if c is None:
+                c = self._claims[key] = Claim()
+            c.holders += 1
+            unclaim = self._unclaim.get((key[0], key[1]))
+            if unclaim is not None:  # released and claimed again this turn: its unpin must not follow the claim
+                unclaim.discard(key)
+            if c.asking is None and not (c.state == "held" and c.until - now > self._extend_s / 3):
+                self._queue(key, c)
+        self._recorder.claims_now(len(self._claims))
+
+    def release(self, keys: list[ClaimKey], unread: bool = False) -> None:
+        """Done with these holds (`unread`: a read of them failed). A hold that not every read of
+        ours notified is unpinned at its prefill daemon (a read failed, the engine went, an
+        expectation lapsed): its own lease decides again. So is one whose claim is still out
+        (the unpin follows it on the same connection)."""
+        for key in keys:
+            c = self._claims.get(key)
+            if c is not None:
+                c.holders -= 1
+                c.unread = c.unread or unread
+                if c.holders <= 0:
+                    del self._claims[key]
+                    if (c.state == "held" or c.asking is not None) and (c.unread or not c.notified):
+                        self._unclaim.setdefault((key[0], key[1]), set()).add(key)
+                        self._schedule_flush()
+        self._recorder.claims_now(len(self._claims))
+
+    def notified(self, keys: list[ClaimKey], ranks: Iterable[int]) -> None:
+        """A read notified these prefill ranks' holds (its notification clears our pin there)."""
+        wanted = set(ranks)
+        for key in keys:
+            c = self._claims.get(key)
+            if c is not None and key[3] in wanted:
+                c.notified = True
+
+    def expect(self, er: tuple[str, int], request_id: str, ref: P.RemoteRef) -> None:
+        """An engine will read `ref` for its request: keep the prefill's holds (all its ranks)
+        alive until the read ends, the request is released, or max_lease_s passes."""
+        if not self._renew or not self._confirm:
+            return
+        key = (er[0], er[1], request_id)
+        if key in self._expects:
+            return
+        keys = claim_keys(ref, range(ref.tp_size))
+        while self._expects and (len(self._expects) >= MAX_EXPECTS
+                                 or self._expect_claims + len(keys) > MAX_EXPECT_CLAIMS):
+            dropped = self._expects.pop(next(iter(self._expects)))[0]
+            self._expect_claims -= len(dropped)
+            self.release(dropped)
+        self._expects[key] = (keys, time.monotonic())
+        self._expect_claims += len(keys)
+        self.acquire(keys)
+        self._recorder.read_expected()
+
+    def take_expect(self, er: tuple[str, int], request_id: str) -> list[ClaimKey]:
+        """The claims an engine's expectation made, now the read's (released when it ends)."""
+        entry = self._expects.pop((er[0], er[1], request_id), None)
+        if entry is None:
+            return []
+        self._expect_claims -= len(entry[0])
+        return entry[0]
+
+    def forget_engine(self, er: tuple[str, int]) -> None:
+        for key in [k for k in self._expects if k[:2] == er]:
+            keys = self._expects.pop(key)[0]
+            self._expect_claims -= len(keys)
+            self.release(keys)
+
+    # --- is a read's hold vouched for -----------------------------------------
+    def covers(self, keys: list[ClaimKey], t: float, agent: str = "", epoch: str = "") -> bool:
+        """Every hold is known to have lived through `t` (no round trip needed), as the daemon
+        `agent` the READs went to said (a grant of a daemon since restarted vouches for nothing), of
+        the engine registration `epoch` the read was planned against ("": not known)."""
+        if not self._confirm:
+            return True
+        claims = self._claims
+        return all((c := claims.get(k)) is not None and _same(c, agent) and c.covers(t, epoch) for k in keys)
+
+    async def confirm(self, keys: list[ClaimKey], t: float, deadline: float, agent: str = "",
+                      epoch: str = "") -> str:
+        """"" once every hold is vouched for through `t`; else why not (the read fails `expired`)."""
+        why = "no answer"
+        while True:
+            now = time.monotonic()
+            waits: list[asyncio.Future[None]] = []
+            for key in keys:
+                c = self._claims.get(key)
+                if c is None:  # released meanwhile (the engine went): nothing vouches any more
+                    return "the claim was dropped"
+                if epoch and c.epoch and c.epoch != epoch and _same(c, agent):
+                    return (f"{RESTARTED}: {key[2]} is registration {c.epoch} now, the read was planned "
+                            f"against {epoch} (the bytes read are the old registration's memory)")
+                if _same(c, agent) and c.covers(t, epoch):
+                    continue
+                if c.state == "ended" and _same(c, agent):
+                    return (f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r} "
+                            "(its lease passed, or it was released): its blocks may hold another prompt's KV")
+                if c.state == "pending":
+                    why = f"prefill rank {key[3]} of {key[2]} never held request {key[4]!r}"
+                if c.asking is None:
+                    self._queue(key, c)
+                assert c.asking is not None
+                waits.append(c.asking)
+            if not waits:
+                return ""
+            if now >= deadline:
+                return f"{why} before the read's deadline"
+            await asyncio.wait(waits, timeout=deadline - now)
+            if any((c := self._claims.get(k)) is not None and (c.state == "pending" or c.unanswered) for k in keys):
+                # not held yet, or no answer (a refusal comes at once): not again before RETRY_S
+                await asyncio.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0)))
+
+    # --- asking ---------------------------------------------------------------
+    def _queue(self, key: ClaimKey, c: Claim) -> None:
+        c.asking = asyncio.get_running_loop().create_future()
+        self._queued.setdefault((key[0], key[1]), set()).add(key)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """One request per peer daemon for everything queued this loop turn."""
+        self._flushing = False
+        queued, self._queued = self._queued, {}
+        unclaim, self._unclaim = self._unclaim, {}
+        for batches, send in ((queued, self._ask), (unclaim, self._unpin)):
+            for (host, port), keys in batches.items():
+                ordered = list(keys)
+                for i in range(0, len(ordered), hs.MAX_CLAIMS):
+                    task = asyncio.get_running_loop().create_task(send(host, port, ordered[i:i + hs.MAX_CLAIMS]))
+                    self._tasks.add(task)  # the loop keeps only a weak reference
+                    task.add_done_callback(self._tasks.discard)
+
+    def _request(self, keys: list[ClaimKey], extend_s: float, release: bool = False) -> hs.LeaseRequest:
+        return hs.LeaseRequest(hs.LEASE_VERSION, next(self._seq), self._requester, extend_s,
+                               [hs.Claimed(k[2], k[3], k[4]) for k in keys], release)
+
+    async def _unpin(self, host: str, port: int, keys: list[ClaimKey]) -> None:
+        req = self._request(keys, 0.0, release=True)
+        try:
+            await self._links.to(host, port).ask(req, self._timeout_s)
+        except hs.HandshakeError as exc:  # our pins there lapse with their grant
+            log.info("unpinning %d holds at %s:%d: %s", len(keys), host, port, exc)
+
+    async def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> None:
+        req = self._request(keys, self._extend_s)
+        sent = time.monotonic()
+        asked = [self._claims.get(k) for k in keys]  # an answer is for these, not for claims made since
+        answers: list[hs.ClaimAnswer] = []
+        agent = ""
+        try:
+            reply = await self._links.to(host, port).ask(req, self._timeout_s)
+            agent = reply.agent
+            if not reply.ok:
+                self._warn(host, port, f"peer %s:%d refused lease claims: {reply.reason[:200].replace('%', '%%')}")
+            elif len(reply.answers) != len(keys):
+                self._warn(host, port, f"peer %s:%d answered {len(reply.answers)} of {len(keys)} claims")
+            else:
+                answers = reply.answers
+        except hs.HandshakeError as exc:
+            self._warn(host, port, f"lease claims to %s:%d: {str(exc).replace('%', '%%')}")
+        self._recorder.claims_asked(len(keys), bool(answers))
+        for i, key in enumerate(keys):
+            c = self._claims.get(key)
+            if c is None or c is not asked[i]:
+                continue
+            fut, c.asking = c.asking, None
+            c.unanswered = not answers
+            if answers:
+                a = answers[i]
+                c.state, c.agent, c.epoch = a.state, agent, a.epoch or c.epoch
+                if a.state == "held":
+                    c.held_since = sent
+                    c.until = sent + a.granted_s * (1 - SKEW) - SKEW
+                    if self._renew and a.granted_s > 0:  # asked again when a third of the grant is left
+                        heapq.heappush(self._renewals, (sent + a.granted_s * 2 / 3, key))
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _warn(self, host: str, port: int, msg: str) -> None:
+        """A refusal, logged at most every WARN_S per peer (a read asks again every RETRY_S)."""
+        now = time.monotonic()
+        if now - self._warned.get((host, port), -WARN_S) >= WARN_S:
+            if len(self._warned) >= 4096:
+                self._warned.clear()
+            self._warned[(host, port)] = now
+            log.warning(msg, host, port)
+
+    def renew(self, now: float) -> None:
+        """Ask again for claims whose grant is two-thirds gone and that someone still needs."""
+        while self._renewals and self._renewals[0][0] <= now:
+            _, key = heapq.heappop(self._renewals)
+            c = self._claims.get(key)
+            if c is not None and c.asking is None and c.state == "held" and c.until - now < self._extend_s * 2 / 3:
+                self._queue(key, c)
+        if len(self._renewals) > 2 * len(self._claims) + 64:  # released claims left stale entries
+            self._renewals = [e for e in self._renewals if e[1] in self._claims]
+            heapq.heapify(self._renewals)
+        while self._expects:  # an engine that never reads what it expected: bounded
+            expect, (keys, since) = next(iter(self._expects.items()))
+            if now - since <= self._max_expect_s:
+                break
+            del self._expects[expect]
+            self._expect_claims -= len(keys)
+            self.release(keys)
+
+
+def _same(c: Claim, agent: str) -> bool:
+    """The claim was answered by the daemon `agent` ("" on either side: not known, taken as the same)."""
+    return not agent or not c.agent or c.agent == agent

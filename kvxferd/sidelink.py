@@ -1,0 +1,136 @@
+"""One standing side-channel connection per peer daemon, for requests made often (lease claims).
+
+A handshake or an audit opens a REQ socket for its one question; claims go out many times a
+second, so each peer daemon's address gets one DEALER socket that stays, with requests told
+apart by `seq`:
+
+    Link.ask(LeaseRequest(seq=7)) -> [b"", request] ---> ROUTER (handshake.HandshakeServer)
+                   future[7] <------ [b"", reply(seq=7)]
+
+The ROUTER sees a REQ socket's envelope and answers as it does any request. A daemon that does
+not know lease requests answers with a refusal that carries no seq: it answers in order, so
+that refusal belongs to the oldest request still waiting.
+
+Replies come off the wire: one that matches no waiting request is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import zmq
+import zmq.asyncio
+
+from . import handshake as hs
+
+log = logging.getLogger("kvxferd")
+
+MAX_REPLY = 1 << 20  # a lease reply of MAX_CLAIMS answers is ~60 KiB
+MAX_WAITING = 4096  # requests waiting for their reply on one link; more are refused at once
+IDLE_CLOSE_S = 120.0  # a link unused this long is closed (reopened on the next request)
+MAX_LINKS = 1024  # peer daemons linked at once: beyond, the least recently used idle link closes
+
+
+class Link:
+    """A DEALER socket to one peer daemon's side channel and the requests waiting on it."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, curve: hs.CurveKeys | None) -> None:
+        self.address = f"{host}:{port}"
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
+        if curve is not None:
+            self.sock.curve_secretkey = curve.secret
+            self.sock.curve_publickey = curve.public
+            self.sock.curve_serverkey = curve.server_public
+        self.sock.connect(f"tcp://{host}:{port}")
+        self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # by seq, oldest first
+        self.used = time.monotonic()
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def ask(self, req: hs.LeaseRequest, timeout_s: float) -> hs.LeaseReply:
+        """The peer's reply; HandshakeError when none comes within `timeout_s`."""
+        self.used = time.monotonic()
+        if len(self.waiting) >= MAX_WAITING:
+            raise hs.HandshakeError("timeout", f"{MAX_WAITING} requests to {self.address} wait for replies")
+        fut: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
+        self.waiting[req.seq] = fut
+        try:
+            try:
+                self.sock.send_multipart([b"", hs.encode(req)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the peer is not taking messages (its queue is full)
+                raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {exc}") from None
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            except TimeoutError:
+                raise hs.HandshakeError("timeout", f"no lease answer from {self.address} within {timeout_s:g} s") \
+                    from None
+        finally:
+            self.waiting.pop(req.seq, None)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                parts = await self.sock.recv_multipart()
+                await asyncio.sleep(0)  # a ready reply is received without yielding: a flood must not hold the loop
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if len(parts) != 2 or parts[0] != b"":
+                continue
+            try:
+                reply = hs.lease_reply_decoder.decode(parts[1])
+            except hs.DECODE_ERRORS:
+                continue
+            seq = reply.seq if reply.seq else next(iter(self.waiting), None)  # an older daemon's refusal
+            fut = self.waiting.get(seq) if seq is not None else None
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def close(self) -> None:
+        self.reader.cancel()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(hs.HandshakeError("unreachable", f"link to {self.address} closed"))
+                fut.exception()  # retrieved: the asker may have gone
+        self.sock.close(0)
+
+
+class Links:
+    """The standing links, by peer daemon address."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, curve: hs.CurveKeys | None) -> None:
+        self._ctx, self._curve = ctx, curve
+        self._links: dict[tuple[str, int], Link] = {}
+
+    def to(self, host: str, port: int) -> Link:
+        """The link to a peer daemon; HandshakeError when MAX_LINKS links all have requests waiting
+        (engines name the addresses their reads go to: they may name many)."""
+        link = self._links.pop((host, port), None)
+        if link is None:
+            if len(self._links) >= MAX_LINKS:
+                idle = next((k for k, old in self._links.items() if not old.waiting), None)
+                if idle is None:
+                    raise hs.HandshakeError("unreachable", f"{MAX_LINKS} peer daemons have lease requests waiting")
+                self._links.pop(idle).close()
+            link = Link(self._ctx, host, port, self._curve)
+        self._links[(host, port)] = link  # to the end: the most recently used
+        return link
+
+    def close_idle(self, now: float) -> None:
+        for key in [k for k, link in self._links.items() if not link.waiting and now - link.used > IDLE_CLOSE_S]:
+            self._links.pop(key).close()
+
+    def __iter__(self) -> Iterable[Link]:
+        return iter(list(self._links.values()))
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

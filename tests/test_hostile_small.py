@@ -1,0 +1,388 @@
+"""Smaller hostile-input defects: the Curve secret key's mode from creation, strings from engines
+and peers reaching the operator's terminal and the text log, the metrics exporter's request caps,
+and CUDA VMM resources released on every failed step of a mapping."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from kvxferd import logs, memory
+from kvxferd import protocol as P
+from kvxferd.client import Client, EngineClient
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.memory import MappingError, create_shm
+from kvxferd.plan.models import ModelShape, build
+from kvxferd.status import render
+
+SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
+
+# Terminal attacks: OSC title set + BEL, clear screen, CSI in its 8-bit C1 form, a bidi override,
+# DEL, and a newline starting what looks like a line of its own.
+HOSTILE = "e\x1b]0;pwned\x07\x1b[2J\x9b31m\u202e\x7f\nFAKE LINE"
+CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def kvxferd(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "kvxferd", *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+# --- 1. keys generate ---------------------------------------------------------------------------
+
+
+def test_keys_generate_secret_never_readable_by_others(tmp_path, monkeypatch):
+    """Under umask 0 the secret is 0600 from its creation: no chmod afterwards ever finds it open
+    to others (a chmod spy records the file's mode whenever one is made)."""
+    from typer.testing import CliRunner
+
+    from kvxferd.cli import app
+
+    seen: list[int] = []
+    real_chmod, real_fchmod = os.chmod, os.fchmod
+
+    def chmod(path, mode, *a, **kw):
+        seen.append(os.stat(path).st_mode & 0o777)
+        return real_chmod(path, mode, *a, **kw)
+
+    def fchmod(fd, mode):
+        seen.append(os.fstat(fd).st_mode & 0o777)
+        return real_fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    monkeypatch.setattr(os, "fchmod", fchmod)
+    with umask(0):
+        result = CliRunner().invoke(app, ["keys", "generate", str(tmp_path / "keys")])
+    assert result.exit_code == 0, result.output
+    secret = tmp_path / "keys" / "kvxferd.key_secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert all(mode & 0o077 == 0 for mode in seen), [oct(m) for m in seen]
+
+
+def test_keys_generate_umask_0_refuses_overwrite_and_force(tmp_path):
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    with umask(0):
+        out = kvxferd("keys", "generate", str(keys)).stdout
+    assert "kvxferd.key_secret" in out
+    secret, public = keys / "kvxferd.key_secret", keys / "kvxferd.key"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    pub, sec = zmq.auth.load_certificate(str(secret))
+    assert sec is not None and zmq.auth.load_certificate(str(public)) == (pub, None)
+    assert zmq.curve_public(sec) == pub  # a real keypair
+
+    before = secret.read_bytes()
+    again = kvxferd("keys", "generate", str(keys), check=False)
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert secret.read_bytes() == before
+
+    with umask(0):
+        kvxferd("keys", "generate", str(keys), "--force")
+    assert secret.read_bytes() != before and secret.stat().st_mode & 0o777 == 0o600
+    assert zmq.auth.load_certificate(str(public))[0] == zmq.auth.load_certificate(str(secret))[0]
+
+
+def test_keys_generate_does_not_write_through_a_planted_symlink(tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    (keys / "kvxferd.key_secret").symlink_to(victim)
+    refused = kvxferd("keys", "generate", str(keys), check=False)
+    assert refused.returncode == 2
+    assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o644
+    kvxferd("keys", "generate", str(keys), "--force")  # replaces the link, never follows it
+    assert victim.read_text() == "precious\n"
+    assert not (keys / "kvxferd.key_secret").is_symlink()
+
+
+# --- 2. status ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path, "daemon", metrics_port=0)
+    yield d
+    d.stop()
+
+
+def registered(d: DaemonProcess, engine_id: str) -> tuple[EngineClient, object]:
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    engine = EngineClient(d.socket, engine_id, 0, 1)
+    try:
+        engine.register(geo, shm_fds=[fd])
+    finally:
+        os.close(fd)
+    return engine, mm
+
+
+def test_status_escapes_engine_strings_keeps_json_exact(daemon):
+    engine, mm = registered(daemon, HOSTILE)
+    try:
+        engine.hold("req" + HOSTILE, 60.0, [[1]])
+        text = kvxferd("status", "--socket", daemon.socket).stdout
+        assert not CONTROLS.search(text), repr(text)
+        assert not any(line.startswith("FAKE LINE") for line in text.splitlines())
+        assert logs.escape(HOSTILE) in text and "\\x1b]0;pwned\\x07" in text
+        doc = json.loads(kvxferd("status", "--socket", daemon.socket, "--json").stdout)
+        assert [e["engine"] for e in doc["engines"]] == [HOSTILE]
+        assert [h["request"] for h in doc["held"]] == ["req" + HOSTILE]
+    finally:
+        engine.close()
+        mm.close()
+
+
+def test_status_render_escapes_peer_fields(daemon):
+    with Client(daemon.socket) as c:
+        st = c.status()
+    clean = render(st)
+    peer = P.PeerStatus(HOSTILE, "10.0.0.1:5\x1b[1A" + HOSTILE, HOSTILE, 1.0, 0.01, 1, [0], 0)
+    failure = P.FailureRecord(0.0, HOSTILE, 0, HOSTILE, HOSTILE, "reason\r\n" + HOSTILE)
+    st = msgspec.structs.replace(st, peers=[peer], failures=[failure], agent=HOSTILE)
+    text = render(st)
+    assert not CONTROLS.search(text), repr(text)
+    # Each table's "(none)" becomes a title and one row: no line comes from the strings.
+    assert len(text.splitlines()) == len(clean.splitlines()) + 2
+    assert "reason\\r\\ne\\x1b]0;pwned\\x07" in text
+
+
+# --- 3. logs ------------------------------------------------------------------------------------
+
+FORGED = "x\n2026-01-01 00:00:00,000 INFO kvxferd.engines: registered engine evil rank 0/1: m, 1 B\x1b[2K"
+
+
+def test_text_log_cannot_be_forged_by_an_engine_id(tmp_path):
+    d = DaemonProcess(tmp_path, "daemon")  # text logs, the default
+    try:
+        engine, mm = registered(d, FORGED)
+        engine.close()
+        mm.close()
+    finally:
+        d.stop()
+    log = (tmp_path / "daemon.log").read_text()
+    assert not any(line.startswith("2026-01-01") for line in log.splitlines()), log
+    assert "\x1b" not in log
+    assert "registered engine " + logs.escape(FORGED) in log
+
+
+def record(msg: str, *args: object, exc: BaseException | None = None) -> logging.LogRecord:
+    return logging.LogRecord("kvxferd.test", logging.ERROR, __file__, 1, msg, args,
+                             (type(exc), exc, exc.__traceback__) if exc else None)
+
+
+def test_text_formatter_escapes_message_and_fences_traceback():
+    try:
+        raise ValueError("boom\n2026-01-01 00:00:00,000 INFO fake: forged")
+    except ValueError as exc:
+        caught = exc
+    out = logs.TextFormatter().format(record("request %s failed", FORGED, exc=caught))
+    first, *rest = out.split("\n")
+    assert first.endswith("request " + logs.escape(FORGED) + " failed")
+    assert rest and all(line.startswith("  | ") for line in rest), out
+    assert "\x1b" not in out
+
+
+def test_json_formatter_is_one_exact_line():
+    out = logs.JsonFormatter().format(record("request %s failed", FORGED))
+    assert "\n" not in out and "\x1b" not in out
+    assert json.loads(out)["msg"] == f"request {FORGED} failed"
+
+
+# --- 4. metrics exporter ------------------------------------------------------------------------
+
+
+def http(address: str, request: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        try:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            return b"(reset)" + b"".join(chunks)
+    return b"".join(chunks)
+
+
+def test_metrics_http_caps_request_head(daemon):
+    with Client(daemon.socket) as c:
+        address = c.status().metrics
+    assert address
+    long_line = b"GET /" + b"a" * (100 << 10) + b" HTTP/1.1\r\n\r\n"
+    long_header = b"GET /metrics HTTP/1.1\r\nX-Big: " + b"b" * (100 << 10) + b"\r\n\r\n"
+    many_headers = b"GET /metrics HTTP/1.1\r\n" + b"X-A: b\r\n" * 1000 + b"\r\n"
+    for request, status in ((long_line, b"400"), (long_header, b"431"), (many_headers, b"431")):
+        answer = http(address, request)
+        assert answer.startswith(b"HTTP/1.0 " + status + b" "), answer[:200]
+        assert http(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.0 200 OK")
+    ordinary = http(address, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 50 + b"\r\n")
+    assert ordinary.startswith(b"HTTP/1.0 200 OK") and b"kvxferd_build_info" in ordinary
+    assert daemon.proc.poll() is None
+    log = Path(daemon.log.name).read_text()
+    assert "Traceback" not in log and "exception" not in log.lower(), log
+
+
+# --- 5. CUDA VMM mapping undo -------------------------------------------------------------------
+
+
+class FakeDriver:
+    """Stands in for `cuda.bindings.driver`: no GPU can exist where these tests run, so the
+    driver calls are recorded (what is held: imported/created handles, address reservations,
+    mappings) and the one named in `fail_at` returns an error, as the real driver would."""
+
+    def __init__(self, fail_at: str = "") -> None:
+        self.fail_at, self.calls = fail_at, []
+        self.handles: set[int] = set()
+        self.reserved: set[int] = set()
+        self.mapped: set[int] = set()
+        self._next = 0x1000
+        ok, err = SimpleNamespace(name="CUDA_SUCCESS"), SimpleNamespace(name="CUDA_ERROR_INVALID_VALUE")
+        self.CUresult = SimpleNamespace(CUDA_SUCCESS=ok)
+        self._err = err
+        self.CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+        self.CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+        self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
+        self.CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+        self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+
+    @staticmethod
+    def CUmemAllocationProp():  # the driver's names
+        return SimpleNamespace(location=SimpleNamespace())
+
+    @staticmethod
+    def CUmemAccessDesc():
+        return SimpleNamespace(location=SimpleNamespace())
+
+    def _step(self, name: str, *result: object) -> tuple:
+        self.calls.append(name)
+        if name == self.fail_at:
+            return (self._err,)
+        return (self.CUresult.CUDA_SUCCESS, *result)
+
+    def _new(self) -> int:
+        self._next += 0x1000
+        return self._next
+
+    def cuInit(self, flags):
+        return self._step("cuInit")
+
+    def cuDeviceGet(self, device):
+        return self._step("cuDeviceGet", device)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self._step("cuDevicePrimaryCtxRetain", "ctx")
+
+    def cuCtxSetCurrent(self, ctx):
+        return self._step("cuCtxSetCurrent")
+
+    def cuMemGetAllocationGranularity(self, prop, flags):
+        return self._step("cuMemGetAllocationGranularity", 2 << 20)
+
+    def cuMemImportFromShareableHandle(self, fd, kind):
+        os.fstat(fd)  # the fd is still open when imported
+        result = self._step("cuMemImportFromShareableHandle", self._new())
+        if len(result) == 2:
+            self.handles.add(result[1])
+        return result
+
+    def cuMemCreate(self, size, prop, flags):
+        result = self._step("cuMemCreate", self._new())
+        if len(result) == 2:
+            self.handles.add(result[1])
+        return result
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        result = self._step("cuMemAddressReserve", self._new())
+        if len(result) == 2:
+            self.reserved.add(result[1])
+        return result
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        assert ptr in self.reserved and handle in self.handles
+        result = self._step("cuMemMap")
+        if len(result) == 1 and result[0] is self.CUresult.CUDA_SUCCESS:
+            self.mapped.add(ptr)
+        return result
+
+    def cuMemSetAccess(self, ptr, size, descs, count):
+        assert ptr in self.mapped
+        return self._step("cuMemSetAccess")
+
+    def cuMemUnmap(self, ptr, size):
+        assert ptr in self.mapped, "unmapping what is not mapped"
+        self.mapped.discard(ptr)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuMemAddressFree(self, ptr, size):
+        assert ptr in self.reserved and ptr not in self.mapped, "freeing a range still mapped"
+        self.reserved.discard(ptr)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuMemRelease(self, handle):
+        assert handle in self.handles
+        self.handles.discard(handle)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def held(self) -> tuple[set[int], set[int], set[int]]:
+        return self.handles, self.reserved, self.mapped
+
+
+STEPS = ["cuMemImportFromShareableHandle", "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemMap",
+         "cuMemSetAccess"]
+
+
+@pytest.mark.parametrize("fail_at", STEPS)
+def test_map_cuda_vmm_undoes_every_step_on_failure(monkeypatch, fail_at):
+    cu = FakeDriver(fail_at)
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    with pytest.raises(MappingError, match=fail_at if fail_at != "cuMemGetAllocationGranularity" else "granularity"):
+        memory.map_cuda_vmm(fd, 2 << 20, 0)
+    assert fail_at in cu.calls
+    assert cu.held() == (set(), set(), set()), cu.calls
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+
+
+def test_map_cuda_vmm_success_then_close_releases(monkeypatch):
+    cu = FakeDriver()
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    mapping = memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0)
+    assert all(cu.held()) and mapping.address in cu.mapped
+    mapping.close()
+    assert cu.held() == (set(), set(), set())
+
+
+@pytest.mark.parametrize("fail_at", ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
+def test_vmm_buffer_releases_its_allocation_on_failure(monkeypatch, fail_at):
+    cu = FakeDriver(fail_at)
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    with pytest.raises(MappingError, match=fail_at):
+        memory.VmmBuffer(1 << 20)
+    assert cu.held() == (set(), set(), set()), cu.calls

@@ -1,0 +1,304 @@
+"""Races and hostile peers around fail-closed reads and leases: two decode ranks sharing one
+claim, a prefill daemon restarted behind a grant, an unpin overtaking a claim, a refusing peer,
+unbounded expectations, a vLLM worker freeing what its daemon still vouches for, a lease-request
+flood, a refused read's expectation. Each reproduced a wrong `received` or a stall before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+
+from kvxferd import handshake as hs
+from kvxferd import leases as leases_mod
+from kvxferd import protocol as P
+from kvxferd.client import Client, RemoteRef
+from kvxferd.holds import Holds
+from kvxferd.lab.synthetic import testing
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.synthetic.engine import SyntheticEngine, _compare_blocks, _poison_blocks
+from kvxferd.leases import Leases
+from kvxferd.plan.models import PRESETS
+from kvxferd.recorder import Recorder
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=2)
+TOKENS = 40
+
+
+def read_rank(eng: SyntheticEngine, r: int, seq: int, remote: RemoteRef, blocks, remote_blocks):
+    """Rank r alone reads request `seq` into `blocks`; its completion and what differs."""
+    s = testing.Sequence(seq, TOKENS, blocks)
+    rank = eng.ranks[r]
+    for bufs in (rank.view, rank.shadow):
+        _poison_blocks(bufs, rank.geometry, blocks)
+    rank.client.read(f"d-{seq}", remote, TOKENS, [list(b) for b in blocks], [list(b) for b in remote_blocks], 5.0)
+    c = eng._wait(rank, f"d-{seq}", 10)
+    testing.expect_after_read(rank.shadow, rank.geometry, s, [0] * len(blocks),
+                              eng._chunk_tokens(SHAPE, remote.tp_size), in_place=True)
+    return c, _compare_blocks(rank.view, rank.shadow, rank.geometry, blocks)
+
+
+def test_two_decode_ranks_of_one_daemon_read_one_prefill_rank_past_its_lease(tmp_path):
+    """Decode TP 2 on one daemon, prefill TP 1: both ranks read prefill rank 0. The first
+    rank's notification must not unpin the hold the second still reads."""
+    p = DaemonProcess(tmp_path, "p", -1, ["--claim-s", "1"])
+    d = DaemonProcess(tmp_path, "d", -1, ["--claim-s", "1"])
+    try:
+        pre = SyntheticEngine(p.socket, "prefill", SHAPE, 1)
+        dec = SyntheticEngine(d.socket, "decode", SHAPE, 2)
+        host, port = pre.side_channel.rsplit(":", 1)
+        ref = RemoteRef("prefill", host, int(port), 1, "req-1")
+        blocks = pre.prefill(1, TOKENS, 0.5)
+        dec.expect(1, ref)
+        time.sleep(1.5)  # the lease passed: the claims keep the hold
+        local = dec.allocate(TOKENS)
+        c0, bad0 = read_rank(dec, 0, 1, ref, local, blocks)
+        assert c0.status == "received" and not bad0
+        time.sleep(0.3)
+        st = Client(p.socket).status()
+        if not st.held:  # what the bug did: the hold ended; the engine reuses its blocks
+            pre.reuse(blocks, 2)
+        c1, bad1 = read_rank(dec, 1, 1, ref, local, blocks)
+        assert not (c1.status == "received" and bad1), "another prompt's KV reported received"
+        assert c1.status == "received" and not bad1
+        assert pre.wait_released(1, 5) == ["sent"]
+        pre.close()
+        dec.close()
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_a_grant_of_a_prefill_daemon_since_restarted_vouches_for_nothing(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    p = DaemonProcess(tmp_path, "p", -1, [], side_channel_port=port)
+    d = DaemonProcess(tmp_path, "d", -1, [])
+    p2 = None
+    try:
+        pre = SyntheticEngine(p.socket, "prefill", SHAPE, 1)
+        dec = SyntheticEngine(d.socket, "decode", SHAPE, 1)
+        ref = lambda seq: RemoteRef("prefill", "127.0.0.1", port, 1, f"req-{seq}")  # noqa: E731
+        b0 = pre.prefill(0, TOKENS, 30)
+        assert dec.decode(0, TOKENS, ref(0), b0, 0, 5.0, SHAPE)["status"] == "received"
+        b1 = pre.prefill(1, TOKENS, 0.5)
+        dec.expect(1, ref(1))  # pinned claim_s (20 s) ahead by this daemon instance
+        time.sleep(1.0)
+        p.kill()
+        p2 = DaemonProcess(tmp_path, "p2", -1, [], side_channel_port=port)
+        pre2 = SyntheticEngine(p2.socket, "prefill", SHAPE, 1)
+        pre2.reuse(b1, 2)
+        pre2.ranks[0].client.hold("req-1", 0.1, [list(b) for b in b1])  # re-held, what was left of its lease
+        assert pre2.wait_released(1, 5) == ["expired"]
+        out = dec.decode(1, TOKENS, ref(1), b1, 0, 5.0, SHAPE)  # VerificationError if received
+        assert out["status"] == "failed" and "expired" in out["reason"]
+    finally:
+        for x in (p, d, p2):
+            if x is not None:
+                x.stop()
+
+
+class _FakeRank:
+    engine_id, tp_rank, key = "prefill", 0, ("prefill", 0)
+    geometry = SimpleNamespace(groups=[SimpleNamespace(name="attn", num_blocks=64)])
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str]] = []
+
+    def complete(self, c: P.Completion) -> None:
+        self.done.append((c.request_id, c.status))
+
+
+def test_a_claim_released_and_made_again_in_one_turn_stays_pinned():
+    async def main() -> None:
+        er = _FakeRank()
+        holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=60)
+        holds.hold(er, P.Hold("prefill", 0, "r1", 0.2, [[1, 2]]))
+
+        class Link:
+            async def ask(self, req, timeout_s):
+                return holds.answer_lease(req)
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", 20.0, True, 5.0)
+        k = [("127.0.0.1", 5600, "prefill", 0, "r1")]
+        leases.acquire(k)
+        await asyncio.sleep(0.3)
+        leases.release(k)
+        leases.acquire(k)
+        await asyncio.sleep(0.05)
+        holds.expire(time.monotonic())
+        assert not (er.done and leases.covers(k, time.monotonic())), "vouched for a hold that expired"
+    asyncio.run(main())
+
+
+def test_a_refusing_peer_is_asked_again_at_most_every_retry():
+    async def main() -> None:
+        asked = 0
+
+        class Link:
+            async def ask(self, req, timeout_s):
+                nonlocal asked
+                asked += 1
+                return hs.LeaseReply(False, "malformed side-channel request (an older daemon)")
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        keys = [("10.0.0.1", 5600, "prefill", 0, "req-1")]
+        leases.acquire(keys)
+        t = time.monotonic()
+        assert await leases.confirm(keys, t, t + 0.5)
+        assert asked <= 40, f"{asked} lease requests in 0.5 s for one read"
+    asyncio.run(main())
+
+
+def test_expectations_hold_a_bounded_number_of_claims():
+    async def main() -> None:
+        class Link:
+            async def ask(self, req, timeout_s):
+                await asyncio.sleep(3600)
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        bound = getattr(leases_mod, "MAX_EXPECT_CLAIMS", 1 << 18)
+        for i in range(bound // 4096 + 8):
+            leases.expect(("decode", 0), f"r{i}", P.RemoteRef("p", "10.0.0.1", 5600, 4096, f"q{i}"))
+        assert leases.claims <= bound
+        for t in list(leases._tasks):
+            t.cancel()
+    asyncio.run(main())
+
+
+def holding_worker(daemon: DaemonProcess):
+    """A vLLM worker registered with `daemon`, holding request r1 (blocks 1, 2) under a 0.3 s lease."""
+    from kvxferd.memory import buffer_address, create_shm
+    from kvxferd.plan.models import ModelShape, build
+    from kvxferd.vllm import worker as worker_mod
+    from kvxferd.vllm.handoff import HoldOrder, Orders
+    from kvxferd.vllm.shared_kv import SharedBuffer
+
+    shape = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
+    geo = build(shape, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    w = worker_mod.WorkerSide(daemon.socket, "engine-a", 0, 1, read_deadline_s=5.0)
+    w.register(geo, [SharedBuffer(fd, geo.buffers[0], buffer_address(mm), "shm", 0, [mm])], timeout_s=10)
+    w.start(Orders([HoldOrder("r1", [[1, 2]], 0.3)], []))
+    return w
+
+
+def test_a_connected_worker_frees_no_hold_its_daemon_keeps_for_a_claim(tmp_path, monkeypatch):
+    from kvxferd.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.3)
+    daemon = DaemonProcess(tmp_path, "daemon")
+    try:
+        w = holding_worker(daemon)
+        port = int(Client(daemon.socket).status().side_channel.rsplit(":", 1)[1])
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(hs.encode(hs.LeaseRequest(hs.LEASE_VERSION, 1, "decode-agent", 30.0,
+                                            [hs.Claimed("engine-a", 0, "r1")])))
+        assert sock.poll(5000)
+        assert hs.lease_reply_decoder.decode(sock.recv()).answers[0].state == "held"
+        sock.close()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:
+            assert "r1" not in w.results().sending, "freed while its daemon vouches for it"
+            time.sleep(0.05)
+        assert [h.request for h in Client(daemon.socket).status().held] == ["r1"]
+        w.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_flood_of_lease_requests_does_not_hold_the_event_loop():
+    async def main() -> None:
+        import zmq.asyncio
+        ctx = zmq.asyncio.Context()
+        holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=600)
+        er = _FakeRank()
+        er.geometry = SimpleNamespace(groups=[SimpleNamespace(name="attn", num_blocks=1 << 20)])
+        for i in range(4096):
+            holds.hold(er, P.Hold("prefill", 0, f"r{i}", 60, [[i]]))
+        server = hs.HandshakeServer(ctx, "127.0.0.1", 0, holds.answer_lease)
+        srv = asyncio.create_task(server.run())
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.001)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        tick = asyncio.create_task(ticker())
+
+        def flood() -> None:
+            c = zmq.Context()
+            s = c.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{server.port}")
+            req = hs.encode(hs.LeaseRequest(hs.LEASE_VERSION, 1, "evil", 3600,
+                                            [hs.Claimed("prefill", 0, f"r{i}") for i in range(4096)]))
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.0:
+                s.send_multipart([b"", req])
+                while s.poll(0):
+                    s.recv_multipart()
+            s.close()
+            c.term()
+        await asyncio.to_thread(flood)
+        await asyncio.sleep(0.2)
+        tick.cancel()
+        srv.cancel()
+        server.close()
+        ctx.term()
+        assert max(gaps) < 0.5, f"the loop stood still {max(gaps):.1f} s"
+    asyncio.run(main())
+
+
+def test_a_refused_read_lets_go_of_what_its_engine_expected():
+    """A read the daemon refuses (here: over max_reads_per_engine) must not leave the engine's
+    expectation pinning the prefill's holds until max_lease_s."""
+    async def main() -> None:
+        from kvxferd.protocol import RequestError
+        from kvxferd.reads import Reads
+
+        class Link:
+            async def ask(self, req, timeout_s):
+                return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0) for _ in req.claims])
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        peers = SimpleNamespace(routes={})
+        reads = Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(), max_per_rank=0, leases=leases)
+        er = SimpleNamespace(engine_id="decode", tp_rank=0, geometry=SimpleNamespace(groups=[object()]))
+        ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "p-1")
+        leases.expect(("decode", 0), "d-1", ref)
+        await asyncio.sleep(0.01)
+        assert leases.claims == 2
+        with pytest.raises(RequestError):
+            reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
+        assert leases.claims == 0
+    asyncio.run(main())
+
+
+def test_a_worker_that_loses_a_living_daemon_keeps_what_it_may_have_vouched_for(tmp_path):
+    """The connection drops (an RPC timeout) while the daemon lives and has granted claims on a
+    hold: the worker keeps the blocks until max_lease_s after the daemon accepted them, not just
+    to the hold's own lease (the daemon keeps the memory registered that long, and a decode may
+    read it as the request's)."""
+    daemon = DaemonProcess(tmp_path, "daemon", extra=["--max-lease-s", "3"])
+    try:
+        w = holding_worker(daemon)
+        assert w.max_lease_s == 3.0
+        with w.lock:
+            w._lost(ConnectionError("an RPC timed out"))  # what a 30 s timeout on a busy daemon does
+        t0 = time.monotonic()
+        while "r1" not in w.results().sending:
+            assert time.monotonic() - t0 < 10, "never freed"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 > 2.0, "freed at its own lease, before claims on it could end"
+        w.close()
+    finally:
+        daemon.stop()

@@ -1,0 +1,159 @@
+"""Leases that never serve stale KV, and leases kept alive by demand (leases.py, holds.py).
+
+Real daemons and synthetic engines in their own processes, real NIXL. A read that comes after
+its hold's lease, once the prefill engine refilled the blocks with another prompt, must end
+`failed` with reason `expired` and its block ids (and, as a control, with confirmation off it
+is reported `received` with the other prompt's bytes: the test can see what it guards
+against). A decode that announced its read keeps the hold alive past the prefill's lease, and
+a decode that goes away stops doing so.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import msgspec
+import pytest
+
+from kvxferd.client import EngineClient, RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
+from kvxferd.memory import create_shm
+from kvxferd.plan.models import PRESETS, build
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=2)
+TOKENS = 40
+
+
+def late_read(c: Cluster, lease_s: float) -> dict:
+    """Prefill request 1 under a short lease, let it pass, refill its blocks with prompt 2
+    (what the engine does with blocks it got back), then read request 1."""
+    blocks = c.prefill.prefill(1, TOKENS, lease_s)
+    assert c.prefill.wait_released(1, lease_s + 10) == ["expired"] * c.p_tp
+    c.prefill.reuse(blocks, 2)
+    return c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)
+
+
+def test_a_read_after_its_lease_fails_expired_with_its_blocks():
+    with Cluster(SHAPE, 2, 2) as c:
+        c.transfer(0, TOKENS)  # handshake and route in place: the late read posts at once
+        out = late_read(c, 0.3)
+        assert out["status"] == "failed"
+        assert "expired" in out["reason"] and "no longer holds" in out["reason"], out["reason"]
+        assert out["block_ids"] == [out["local_blocks"]] * c.d_tp  # every block it asked for, per rank
+        st = c.status(1)
+        assert st.counters.failed == c.d_tp and st.counters.received == c.d_tp
+        assert any("expired" in f.reason for f in st.failures)
+        out = c.transfer(3, TOKENS)  # and the next request is served
+        assert out["status"] == "received"
+
+
+def test_without_confirmation_the_late_read_delivers_another_prompts_bytes():
+    """The control: what the test above guards against happens when the daemon does not ask."""
+    with Cluster(SHAPE, 1, 1, daemon_args=["--no-confirm-leases"]) as c:
+        c.transfer(0, TOKENS)
+        with pytest.raises(DemoError, match="VerificationError"):
+            late_read(c, 0.3)
+
+
+def test_an_announced_read_keeps_the_hold_alive_past_its_lease():
+    """The decode expects the request at once, then is busy for longer than the prefill's
+    lease: the claims keep the hold, the read gets the request's own bytes, and the hold ends
+    `sent` (not `expired`)."""
+    with Cluster(SHAPE, 2, 2, daemon_args=["--claim-s", "1"]) as c:
+        c.transfer(0, TOKENS)
+        blocks = c.prefill.prefill(1, TOKENS, 1.0)
+        c.decode.expect(1, c.remote(1))
+        time.sleep(3.5)  # three leases: renewed every ~0.7 s
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)  # verified byte for byte
+        assert out["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
+        assert c.status(0).counters.expired == 0
+
+
+def test_a_decode_that_goes_away_stops_renewing():
+    """Claims last claim_s past the last renewal: a decode engine that disconnects lets the hold
+    expire, as its lease alone would."""
+    with Cluster(SHAPE, 1, 1, daemon_args=["--claim-s", "1"]) as c:
+        c.transfer(0, TOKENS)
+        c.prefill.prefill(1, TOKENS, 0.5)
+        c.decode.expect(1, c.remote(1))
+        time.sleep(1.5)
+        assert c.status(0).totals.held == 1  # kept past its 0.5 s lease
+        c.decode.close()  # the decode engine goes: its expectation with it
+        assert c.prefill.wait_released(1, 5) == ["expired"]
+
+
+def test_with_renewal_off_an_announced_read_still_fails_closed():
+    with Cluster(SHAPE, 1, 1, daemon_args=["--no-lease-renewal"]) as c:
+        c.transfer(0, TOKENS)
+        blocks = c.prefill.prefill(1, TOKENS, 0.5)
+        c.decode.expect(1, c.remote(1))  # nothing kept: renewal is off
+        assert c.prefill.wait_released(1, 5) == ["expired"]
+        c.prefill.reuse(blocks, 2)
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)
+        assert out["status"] == "failed" and "expired" in out["reason"]
+
+
+def test_expiry_follows_deadlines_not_arrival():
+    """A hold kept alive by claims does not hold up one behind it whose lease passed (the reaper
+    that strands expired entries behind a renewed head, vllm#58222)."""
+    with Cluster(SHAPE, 1, 1, daemon_args=["--claim-s", "1"]) as c:
+        c.transfer(0, TOKENS)
+        c.prefill.prefill(1, TOKENS, 0.5)
+        c.decode.expect(1, c.remote(1))  # renewed: outlives its lease
+        c.prefill.prefill(2, TOKENS, 0.5)  # arrived later, nobody claims it
+        t0 = time.monotonic()
+        assert c.prefill.wait_released(2, 5) == ["expired"]
+        assert time.monotonic() - t0 < 2.0
+        assert [h.request for h in c.status(0).held] == ["req-1"]
+
+
+def test_a_read_planned_against_an_engine_restarted_under_its_id_fails_expired():
+    """Before any probe notices (default every 10 s), a route still names the old registration's
+    memory: the claim answer carries the new registration's epoch, the read fails `expired`
+    naming the restart, the peer is retired, and the next read handshakes anew."""
+    other = msgspec.structs.replace(SHAPE, num_blocks=200)  # the restarted engine's memory differs
+    with Cluster(SHAPE, 2, 2) as c:
+        c.transfer(0, TOKENS)  # route planned against this registration
+        c.prefill.prefill(9, TOKENS, 60.0)  # its lease keeps the old memory registered after the kill
+        c.prefill.proc.kill()
+        deadline = time.monotonic() + 15
+        while any(e.engine == "prefill" and e.state == "serving" for e in c.status(0).engines):
+            assert time.monotonic() < deadline, "the killed engine's ranks never left"
+            time.sleep(0.05)
+        c.prefill = EngineProcess(c.daemons[0].socket, "prefill", other, 2)
+        c.engines.append(c.prefill)
+        c.p_shape = other
+        blocks = c.prefill.prefill(1, TOKENS, 2.0)
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, other)
+        assert out["status"] == "failed" and "restarted under the same id" in out["reason"], out
+        # (a READ's own notification names engine, rank and request: the new registration may count it)
+        assert set(c.prefill.wait_released(1, 30)) <= {"sent", "expired"}
+        c.prefill.free(blocks)
+        assert c.transfer(2, TOKENS)["status"] == "received"  # a fresh handshake: the new memory
+
+
+def test_a_refused_read_in_a_batch_lets_go_of_what_its_engine_expected(tmp_path):
+    """An engine expects a request, then its read is refused (here: block lists for the wrong
+    number of groups); nothing keeps the prefill's hold alive for it any more."""
+    def claims_open(address: str) -> float:
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+        return float(next(x for x in body.splitlines() if x.startswith("kvxferd_lease_claims_open ")).split()[1])
+
+    daemon = DaemonProcess(tmp_path, "d", metrics_port=0)
+    try:
+        geo = build(SHAPE, 1, 0)
+        fd, mm = create_shm(geo.buffers[0])
+        with EngineClient(daemon.socket, "d", 0, 1) as c:
+            c.register(geo, shm_fds=[fd])
+            remote = RemoteRef("p", "127.0.0.1", 9, 2, "req-1")
+            assert c.batch([c.requests.expect("d-1", remote)]) == [None]
+            assert claims_open(daemon.metrics_address) == 2  # both prefill ranks' holds
+            refused = c.requests.read("d-1", remote, 40, [[1, 2]], [[1, 2], [3]], 5.0)  # 2 groups: refused
+            [err] = c.batch([refused])
+            assert err is not None and "groups" in str(err)
+            assert claims_open(daemon.metrics_address) == 0
+        mm.close()
+    finally:
+        daemon.stop()

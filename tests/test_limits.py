@@ -1,0 +1,119 @@
+"""Per-engine limits and whole batches against a real daemon: holds and reads per engine rank
+are capped with an error naming the setting, a `batch` is applied all or nothing (the client
+library still gives each order its own outcome), and digesting a large hold does not stop the
+daemon answering others."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvxferd import protocol as P
+from kvxferd import rpc
+from kvxferd.client import Client, DaemonError, EngineClient
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.memory import create_shm
+from kvxferd.plan.models import ModelShape, build
+
+SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
+NOBODY = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")
+
+
+@pytest.fixture
+def limited(tmp_path):
+    env = {"KVXFERD_MAX_HOLDS_PER_ENGINE": "3", "KVXFERD_MAX_READS_PER_ENGINE": "2"}
+    os.environ.update(env)
+    try:
+        daemon = DaemonProcess(tmp_path, "daemon")
+    finally:
+        for key in env:
+            del os.environ[key]
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    c = EngineClient(daemon.socket, "engine", 0, 1)
+    c.register(geo, shm_fds=[fd])
+    os.close(fd)
+    yield c
+    c.close()
+    mm.close()
+    daemon.stop()
+
+
+def test_holds_per_engine_are_capped_and_free_again_when_they_end(limited):
+    c = limited
+    for i in range(3):
+        c.hold(f"h{i}", 30.0, [[i]])
+    c.hold("h0", 30.0, [[0]])  # a renewal is no new hold
+    with pytest.raises(DaemonError) as refused:
+        c.hold("h3", 30.0, [[3]])
+    assert refused.value.code == "bad_request" and "max_holds_per_engine 3" in str(refused.value)
+    assert sorted(h.request for h in c.status().held) == ["h0", "h1", "h2"]
+
+
+def test_reads_per_engine_are_capped(limited):
+    c = limited
+    slow = P.RemoteRef("slow", "192.0.2.1", 5600, 1, "x")  # TEST-NET: the handshake waits its timeout
+    c.read("r0", slow, 8, [[2]], [[2]], 30.0)
+    c.read("r1", slow, 8, [[3]], [[3]], 30.0)
+    with pytest.raises(DaemonError) as refused:
+        c.read("r2", slow, 8, [[4]], [[4]], 30.0)
+    assert "max_reads_per_engine 2" in str(refused.value)
+
+
+def test_a_batch_is_applied_all_or_nothing(limited):
+    c = limited
+    orders = [c.requests.hold("a", 30.0, [[1]]),
+              c.requests.hold("b", 30.0, [[99]]),  # no block 99: refused
+              c.requests.read("c", NOBODY, 8, [[3]], [[3]], 5.0)]
+    results = c.rpc.call(P.Batch(orders), P.Results).items
+    assert isinstance(results[1], P.Error) and "out of range" in results[1].message
+    assert all(isinstance(r, P.Error) and r.message.startswith(P.NOT_APPLIED) for r in (results[0], results[2]))
+    assert c.status().held == [] and c.poll(0.3) == []  # nothing held, nothing read
+    # The client library sends the innocent orders again: each gets its own outcome.
+    outcomes = c.batch(orders)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], DaemonError) and "out of range" in str(outcomes[1])
+    assert [h.request for h in c.status().held] == ["a"]
+    [done] = c.poll(10.0)
+    assert (done.request_id, done.status) == ("c", "failed")
+
+
+def test_a_batch_over_a_cap_is_refused_whole(limited):
+    c = limited
+    c.hold("h0", 30.0, [[0]])
+    results = c.rpc.call(P.Batch([c.requests.hold(f"n{i}", 30.0, [[i + 1]]) for i in range(3)]), P.Results).items
+    assert [isinstance(r, P.Error) for r in results] == [True, True, True]
+    assert "max_holds_per_engine" in results[2].message
+    assert [h.request for h in c.status().held] == ["h0"]
+
+
+def test_a_large_hold_is_digested_off_the_daemon_s_loop(tmp_path):
+    """A hold with digests answers once its blocks are digested (the engine may then reuse
+    nothing it held), but the digest runs on a thread: another client's status is answered while
+    a 512 MiB hold is being digested, not after it."""
+    shape = ModelShape(layers=4, kv_heads=8, head_dim=128, block_size=16, num_blocks=2048)
+    geo = build(shape, 1, 0)
+    daemon = DaemonProcess(tmp_path, "daemon")
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        owner = EngineClient(daemon.socket, "big", 0, 1, timeout=120)
+        owner.register(geo, shm_fds=[fd])
+        everything = [list(range(shape.num_blocks))]
+        order: list[str] = []
+        hold = P.encoder.encode(owner.requests.hold("all", 60.0, everything, digest=True))
+        with Client(daemon.socket, 60) as other:
+            other.status()  # connected and answered once before the race
+            owner.rpc.sock.sendall(rpc.frame(hold))
+            waiter = threading.Thread(target=lambda: (owner.rpc.sock.recv(1 << 16), order.append("hold")))
+            waiter.start()
+            other.status()
+            order.append("status")
+            waiter.join(120)
+        assert order == ["status", "hold"]
+        owner.close()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()

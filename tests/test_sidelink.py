@@ -1,0 +1,88 @@
+"""The standing side-channel link (sidelink.py) against a real ROUTER (handshake.HandshakeServer):
+replies matched by seq whatever their order, an older daemon's refusal taken for the oldest
+request, silence bounded by the timeout, and links capped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from kvxferd import handshake as hs
+from kvxferd import sidelink
+
+
+def lease(seq: int) -> hs.LeaseRequest:
+    return hs.LeaseRequest(hs.LEASE_VERSION, seq, "decode-agent", 1.0, [hs.Claimed("p", 0, f"r{seq}")])
+
+
+@contextlib.asynccontextmanager
+async def linked(answer) -> AsyncIterator[sidelink.Link]:
+    """A link to a real side-channel server answering with `answer`."""
+    ctx = zmq.asyncio.Context()
+    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, answer)
+    task = asyncio.create_task(server.run())
+    links = sidelink.Links(ctx, None)
+    try:
+        yield links.to("127.0.0.1", server.port)
+    finally:
+        links.close()
+        task.cancel()
+        server.close()
+        ctx.term()
+
+
+def test_replies_are_matched_by_seq_whatever_their_order():
+    async def main():
+        async def slow_first(req):  # the first request is answered last
+            await asyncio.sleep(0.2 if req.seq == 1 else 0.0)
+            return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", float(req.seq))])
+
+        async with linked(slow_first) as link:
+            replies = await asyncio.gather(*(link.ask(lease(s), 5.0) for s in (1, 2, 3)))
+            assert [r.answers[0].granted_s for r in replies] == [1.0, 2.0, 3.0]
+            assert not link.waiting
+
+    asyncio.run(main())
+
+
+def test_an_older_daemons_refusal_answers_the_oldest_request():
+    async def main():
+        # a daemon before side-channel version 3 cannot decode the request: it refuses, without seq
+        async with linked(lambda req: hs.HandshakeReply(False, "malformed side-channel request")) as link:
+            reply = await link.ask(lease(7), 5.0)
+            assert not reply.ok and "malformed" in reply.reason
+
+    asyncio.run(main())
+
+
+def test_a_silent_peer_times_out_and_links_are_capped(monkeypatch):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        links = sidelink.Links(ctx, None)
+        try:
+            with pytest.raises(hs.HandshakeError, match="no lease answer"):
+                await links.to("127.0.0.1", port).ask(lease(1), 0.2)
+            monkeypatch.setattr(sidelink, "MAX_LINKS", 2)
+            links.to("127.0.0.1", 1)
+            links.to("127.0.0.1", 2)  # the first link (idle) makes room
+            assert len(links) == 2
+            waiting = asyncio.ensure_future(links.to("127.0.0.1", port).ask(lease(2), 5.0))
+            await asyncio.sleep(0.05)
+            other = asyncio.ensure_future(links.to("127.0.0.1", 3).ask(lease(3), 5.0))
+            await asyncio.sleep(0.05)
+            with pytest.raises(hs.HandshakeError, match="have lease requests waiting"):
+                links.to("127.0.0.1", 4)  # both links wait for replies: none is closed under them
+            waiting.cancel()
+            other.cancel()
+        finally:
+            links.close()
+            silent.close(0)
+            ctx.term()
+
+    asyncio.run(main())

@@ -1,0 +1,157 @@
+"""Leases with real vLLM: a decode busy for longer than the prefill's lease.
+
+The prefill (`lease_s` 1 s) answers every request at once; each decode runs one request at a
+time (`--max-num-seqs 1`) and generates long answers, so the last requests are read well after
+their prefill's lease would have passed. With demand-driven leases (the decode connector
+expects each request as it arrives, its daemon keeps the holds alive) every request reads its
+own KV; with renewal off the late reads fail `expired`, vLLM recomputes them
+(`kv_load_failure_policy` recompute), and no output comes from another prompt's KV: every
+answer equals a single instance's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import urllib.request
+
+import pytest
+from vllm_world import daemon_status, text
+
+from kvxferd.lab.synthetic.demo import DaemonProcess
+from kvxferd.lab.vllm_servers import VllmServer, make_model, prompts
+
+pytestmark = pytest.mark.vllm
+
+LEASE_S = 1.0
+REQUESTS = 8
+MAX_TOKENS = 384  # per request: the decode stays busy for several leases in all
+DTYPE = "float32"
+
+
+
+def metric(daemon: DaemonProcess, name: str, label: str = "") -> float:
+    body = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith(name) and label in line)
+
+
+class World:
+    def __init__(self, workdir):
+        model = make_model(workdir / "tiny-dense", 0)
+        self.pd = DaemonProcess(workdir, "p-daemon", metrics_port=0)
+        self.d_on = DaemonProcess(workdir, "d-on-daemon", metrics_port=0)
+        self.d_off = DaemonProcess(workdir, "d-off-daemon", metrics_port=0, extra=["--no-lease-renewal"])
+        common = dict(dtype=DTYPE, connector="kvxferd", cores="nobind")
+        busy = ["--max-num-seqs", "1"]
+        self.servers = [
+            ref := VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind"),
+            p := VllmServer(workdir, "prefill", model, role="kv_producer", socket=self.pd.socket,
+                            extra_config={"lease_s": LEASE_S}, **common),
+            on := VllmServer(workdir, "decode-renewing", model, role="kv_consumer", socket=self.d_on.socket,
+                             args=busy, failure_policy="recompute", **common),
+            off := VllmServer(workdir, "decode-not-renewing", model, role="kv_consumer", socket=self.d_off.socket,
+                              args=busy, failure_policy="recompute", **common),
+        ]
+        self.ref, self.p, self.on, self.off = ref, p, on, off
+        for s in self.servers:
+            s.wait_ready()
+
+    def late_reads(self, decode: VllmServer, seed: int) -> tuple[list[str], list[str]]:
+        """Prefill each prompt (held for LEASE_S) and pass it on at once to a decode that runs one
+        request at a time; returns (decode answers, single-instance answers)."""
+        cases = prompts(REQUESTS, 100, seed=seed)
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+            futures = []
+            for c in cases:
+                kv = self.p.complete(c, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+                futures.append(pool.submit(decode.complete, c, MAX_TOKENS, kv_transfer_params=kv))
+            answers = [text(f.result(timeout=600)) for f in futures]
+        return answers, [text(self.ref.complete(c, MAX_TOKENS)) for c in cases]
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for d in (self.pd, self.d_on, self.d_off):
+            d.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("vllm-leases"))
+    yield w
+    w.close()
+
+
+def test_a_busy_decode_keeps_the_prefills_holds_alive_and_reads_every_request(world):
+    expired = daemon_status(world.pd).counters.expired
+    answers, expected = world.late_reads(world.on, seed=1)
+    assert answers == expected
+    st = daemon_status(world.d_on)
+    assert st.counters.received == REQUESTS and st.counters.failed == 0, st.failures
+    assert metric(world.d_on, "kvxferd_reads_expected_total") >= REQUESTS  # the connector announced each
+    assert daemon_status(world.pd).counters.expired == expired  # no hold ran out
+
+
+def test_without_renewal_late_reads_fail_expired_and_are_recomputed(world):
+    """The control: the same load without renewal outlives the leases. The late reads fail
+    closed (`expired`), vLLM recomputes them, and every answer is still the single instance's."""
+    answers, expected = world.late_reads(world.off, seed=2)
+    assert answers == expected
+    st = daemon_status(world.d_off)
+    assert st.counters.failed >= 1, "no read came after its lease: make the decode busier"
+    assert all("expired" in f.reason for f in st.failures), [f.reason for f in st.failures]
+    assert metric(world.d_off, "kvxferd_transfer_failures_total", 'reason="expired"') == st.counters.failed
+    assert st.counters.received + st.counters.failed == REQUESTS
+
+
+def test_a_prefill_restarted_under_load_leaves_the_decode_one_route(world):
+    """The prefill instance is stopped and started again (a new engine id) while requests flow:
+    every answer the decode gives is the single instance's (a read that failed was recomputed),
+    reads go on through the new instance, and the decode daemon keeps one peer: the old one is
+    retired (its engine left its daemon), not kept beside the new."""
+    from kvxferd.lab.vllm_servers import LaunchError, handoff
+
+    cases = prompts(4, 70, seed=3)
+    expected = [text(world.ref.complete(c, 16)) for c in cases]
+    stop = threading.Event()
+    answers: list[tuple[int, str]] = []
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                _, out = handoff(world.p, world.on, cases[i % len(cases)])
+                answers.append((i % len(cases), text(out)))
+            except (LaunchError, OSError):
+                time.sleep(0.2)  # the prefill is down meanwhile
+            i += 1
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(load) for _ in range(2)]
+        time.sleep(5)
+        old = world.p
+        old.stop()
+        world.p = VllmServer(old.workdir, "prefill-2", old.model, role="kv_producer", socket=world.pd.socket,
+                             extra_config={"lease_s": LEASE_S}, dtype=DTYPE, connector="kvxferd", cores="nobind")
+        world.servers.append(world.p)
+        world.p.wait_ready()
+        served = len(answers)
+        deadline = time.monotonic() + 120
+        while len(answers) < served + 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stop.set()
+        for f in running:
+            f.result(timeout=300)
+    assert len(answers) >= served + 4, "no requests served after the restart"
+    assert all(answer == expected[i] for i, answer in answers)
+    new_engine = handoff(world.p, world.on, cases[0])[0]["kv_transfer_params"]["remote_engine_id"]
+    deadline = time.monotonic() + 60  # probes every 10 s find the old engine gone from its daemon
+    while time.monotonic() < deadline:
+        peers = daemon_status(world.d_on).peers
+        if [p.engine for p in peers] == [new_engine]:
+            break
+        time.sleep(1)
+    assert [(p.engine, p.state) for p in peers] == [(new_engine, "ready")], peers
+    assert metric(world.d_on, "kvxferd_peers_retired_total", 'reason="engine_gone"') >= 1
