@@ -12,7 +12,8 @@ vouched that the hold lived from before the READ's post to after its end:
     READ seen DONE at t:   a claim covers t -> "received" at once (no round trip)
                            else ask again:  held / consumed -> "received"
                                             ended, or pending until the deadline -> "failed expired"
-    while anything holds a claim (renewal on): asked again when a third of its grant is left
+    while anything holds a claim (renewal on): asked again when a third of its grant is left,
+                                               every PENDING_RETRY_S while the hold is not held yet
 
 Why this is enough: the prefill daemon answers "held" only for a hold that never ended (one held
 again after ending is "ended"), and does not end a hold it answered before the time it granted,
@@ -45,6 +46,8 @@ log = logging.getLogger("kvxferd")
 ClaimKey = tuple[str, int, str, int, str]  # (peer host, side-channel port, engine id, prefill rank, request id)
 ExpectKey = tuple[str, int, str]  # (local engine id, tp rank, local request id)
 RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no answer
+PENDING_RETRY_S = 0.05  # an expectation's claim on a hold not held yet is asked again this soon
+UNANSWERED_RETRY_S = 1.0  # ... and one that got no answer (refused, timed out) this soon
 SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds: clock rates and rounding
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
@@ -289,6 +292,12 @@ class Leases:
                     c.until = sent + a.granted_s * (1 - SKEW) - SKEW
                     if self._renew and a.granted_s > 0:  # asked again when a third of the grant is left
                         heapq.heappush(self._renewals, (sent + a.granted_s * 2 / 3, key))
+                elif a.state == "pending" and self._renew:
+                    # The decode may know of the request before the prefill engine's hold reaches
+                    # its daemon: asked again until it is held, so the pin starts with the lease.
+                    heapq.heappush(self._renewals, (sent + PENDING_RETRY_S, key))
+            elif self._renew:
+                heapq.heappush(self._renewals, (sent + UNANSWERED_RETRY_S, key))
             if fut is not None and not fut.done():
                 fut.set_result(None)
 
@@ -306,7 +315,9 @@ class Leases:
         while self._renewals and self._renewals[0][0] <= now:
             _, key = heapq.heappop(self._renewals)
             c = self._claims.get(key)
-            if c is not None and c.asking is None and c.state == "held" and c.until - now < self._extend_s * 2 / 3:
+            if c is None or c.asking is not None:
+                continue
+            if (c.state == "held" and c.until - now < self._extend_s * 2 / 3) or c.state == "pending" or c.unanswered:
                 self._queue(key, c)
         if len(self._renewals) > 2 * len(self._claims) + 64:  # released claims left stale entries
             self._renewals = [e for e in self._renewals if e[1] in self._claims]

@@ -71,6 +71,22 @@ def test_an_announced_read_keeps_the_hold_alive_past_its_lease():
         assert c.status(0).counters.expired == 0
 
 
+def test_a_read_announced_before_the_prefill_holds_keeps_the_hold_once_it_comes():
+    """The decode learns of a request before the prefill engine's hold reaches its daemon (in
+    vLLM the prefill answers its client before its worker's next step sends the hold): the claim
+    is answered `pending` and asked again until the hold exists, then pinned past its lease."""
+    with Cluster(SHAPE, 2, 2, daemon_args=["--claim-s", "1"]) as c:
+        c.transfer(0, TOKENS)
+        c.decode.expect(1, c.remote(1))  # nothing held yet: pending
+        time.sleep(0.5)
+        blocks = c.prefill.prefill(1, TOKENS, 0.5)
+        time.sleep(2.0)  # four leases
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)  # verified byte for byte
+        assert out["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
+        assert c.status(0).counters.expired == 0
+
+
 def test_a_decode_that_goes_away_stops_renewing():
     """Claims last claim_s past the last renewal: a decode engine that disconnects lets the hold
     expire, as its lease alone would."""
