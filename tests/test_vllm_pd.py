@@ -201,8 +201,9 @@ class TestTwoToOne:
 class TestOneToTwo:
     @pytest.fixture(scope="class")
     def relaxed(self, world):
-        """A TP 2 decode that accepts other weights, and a prefill that has them."""
-        dd = DaemonProcess(world.workdir, "d2-daemon")
+        """A TP 2 decode that accepts other weights, a prefill that has them, and the decode's daemon."""
+        # its first read handshakes with pneg-daemon, whose engine shares a core with d2's
+        dd = DaemonProcess(world.workdir, "d2-daemon", extra=["--handshake-timeout", "30"])
         pd = DaemonProcess(world.workdir, "pneg-daemon")
         d2 = VllmServer(world.workdir, "decode-tp2", model(0), role="kv_consumer", connector="kvxferd",
                         dtype=DTYPE, socket=dd.socket, tp=2, cores="0|1",
@@ -210,7 +211,7 @@ class TestOneToTwo:
         other = VllmServer(world.workdir, "prefill-other-weights", model(1), role="kv_producer",
                            connector="kvxferd", dtype=DTYPE, socket=pd.socket, cores="1")
         start(d2, other)
-        yield d2, other
+        yield d2, other, dd
         for x in (d2, other, dd, pd):
             x.stop()
 
@@ -219,10 +220,13 @@ class TestOneToTwo:
 
     def test_other_prefill_weights_change_the_output(self, world, relaxed):
         """Negative control: the decode really uses the transferred KV."""
-        d2, other = relaxed
+        d2, other, dd = relaxed
         for n in (64, 150):
             prompt = prompts(1, n, seed=200 + n)[0]
+            received = world.counters(dd).received
             _, out = handoff(other, d2, prompt)
+            # the read arrived (a failed one is recomputed with d2's own weights: no control then)
+            assert world.counters(dd).received == received + 2, daemon_status(dd).failures
             # (d2 now caches those foreign blocks under the prompt's hash: why the check exists)
             assert text(out) != world.single(prompt)
 
