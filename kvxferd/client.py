@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import select
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
@@ -278,11 +279,14 @@ class EngineClient:
         second connection of the registering process attaches too: a pid is no identity."""
         self.rpc.call(self.requests.attach(token), P.Ok)
 
-    def rung(self) -> bool:
+    def rung(self, wait_s: float = 0.0) -> bool:
         """True when a poll may find completions: the daemon rang since the last call, or this
-        connection has no doorbell (then every poll may). One non-blocking read, no round trip."""
+        connection has no doorbell (then every poll may). One non-blocking read, no round trip;
+        with `wait_s`, waits that long for a ring first (the engine's process sleeps meanwhile)."""
         if self.doorbell is None:
             return True
+        if wait_s > 0:
+            select.select([self.doorbell], [], [], wait_s)
         try:
             os.read(self.doorbell, 4096)  # the rings so far (b"": the daemon's end closed: poll anyway)
         except BlockingIOError:

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .memory import MemType
-from .nixl_driver import DONE, NixlDriver, Registration, TransferError, XferHandle
+from .nixl_driver import DONE, NixlDriver, Registration, TransferError
+from .postings import Posted, SliceRead
 
 log = logging.getLogger("kvxferd")
 
@@ -53,16 +54,16 @@ class Lane:
         self._known: dict[str, set[bytes]] = {}  # peer agent -> the metadata this lane's agent loaded
 
     def post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-             peer: str, metadata: tuple[bytes, ...], on_posted: Callable[[], None]) -> Future[XferHandle]:
+             peer: str, metadata: tuple[bytes, ...], on_posted: Callable[[], None]) -> SliceRead:
         """Post on this lane's thread; `on_posted` then runs on the calling event loop (with CMA
         the slice is DONE by then, so the loop need not spin for it)."""
         loop = asyncio.get_running_loop()
         posting = self._thread.submit(self._post, local, local_mem, remote, remote_mem, peer, metadata)
         posting.add_done_callback(lambda _: loop.call_soon_threadsafe(on_posted))
-        return posting
+        return SliceRead(self, posting)
 
     def _post(self, local: np.ndarray, local_mem: MemType, remote: np.ndarray, remote_mem: MemType,
-              peer: str, metadata: tuple[bytes, ...]) -> XferHandle:
+              peer: str, metadata: tuple[bytes, ...]) -> Posted:
         loaded = self._known.setdefault(peer, set())
         for blob in metadata:
             if blob not in loaded:
@@ -71,7 +72,13 @@ class Lane:
                 except Exception as exc:
                     raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
                 loaded.add(blob)
-        return self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
+        started = time.perf_counter()
+        handle = self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
+        took = time.perf_counter() - started
+        try:  # DONE already: the copy ran inside the post, whose length is the slice's time
+            return Posted(handle, took if self.nixl.state(handle) == DONE else 0.0)
+        except TransferError:
+            return Posted(handle, 0.0)  # the loop's check reports it
 
     def forget(self, peer: str) -> None:
         self._thread.submit(self._forget, peer)
@@ -85,36 +92,6 @@ class Lane:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
-
-
-@dataclass(eq=False)
-class SliceRead:
-    """One slice of a split read: posted (or being posted) on a lane."""
-
-    lane: Lane
-    posting: Future[XferHandle]
-
-    def ended(self) -> bool:
-        """Posted and DONE; TransferError if the post or the transfer failed. False while running."""
-        if not self.posting.done():
-            return False
-        handle = self.posting.result()  # re-raises the post's TransferError
-        return self.lane.nixl.state(handle) == DONE
-
-    def release(self) -> bool:
-        """Release the handle if the slice ended (done or failed); False while it still runs."""
-        if not self.posting.done():
-            return False
-        if self.posting.exception() is not None:
-            return True  # nothing was posted
-        handle = self.posting.result()
-        try:
-            if self.lane.nixl.state(handle) != DONE:
-                return False
-        except TransferError:
-            pass
-        self.lane.nixl.release(handle)
-        return True
 
 
 class Lanes:
@@ -165,4 +142,4 @@ class Lanes:
             lane.close()
 
 
-__all__ = ["Lane", "Lanes", "SliceRead"]
+__all__ = ["Lane", "Lanes"]

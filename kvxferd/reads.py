@@ -5,7 +5,8 @@
              DONE -> "received";  an error or the deadline -> "failed" + the local block ids
 
 A read large enough is split across posting lanes (lanes.py): its slices are posted from the
-lanes' threads, and its consumers are notified once every slice is DONE.
+lanes' threads, and its consumers are notified once every slice is DONE. Whole READs and slices
+are one kind of work here (postings.py): polled, released and timed alike, in one list.
 
 A read is reported `received` only when the prefill daemon vouched that its holds lived through
 the READ (leases.py): a claim covering the moment it was seen DONE, or asked for then; a hold
@@ -46,9 +47,9 @@ from . import handshake as hs
 from . import integrity
 from . import protocol as P
 from .engines import EngineRank
-from .lanes import Lanes, SliceRead
+from .lanes import Lanes
 from .leases import RESTARTED, ClaimKey, Leases, claim_keys
-from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
+from .nixl_driver import NixlDriver, TransferError
 from .peers import Link, Peer, Peers, Route
 from .plan.descriptors import (
     RequestBlocks,
@@ -61,6 +62,7 @@ from .plan.descriptors import (
 )
 from .plan.geometry import GeometryError
 from .plan.planner import PeerPlan, PlanError
+from .postings import AgentRead, Posting
 from .protocol import RequestError
 from .recorder import FailureKind, Recorder
 
@@ -86,8 +88,8 @@ class Transfer:
     started: float  # monotonic
     deadline: float
     route: Route | None = None
-    handles: list[XferHandle] = field(default_factory=list)
-    slices: list[SliceRead] = field(default_factory=list)  # a split read's slices, on lanes
+    postings: list[Posting] = field(default_factory=list)  # its READs in flight (postings.py)
+    split: int = 0  # slices per remote rank when split across lanes (0: posted whole)
     notify_after: list[bytes] = field(default_factory=list)  # a split read's notifications, sent once DONE
     posted_at: float = 0.0  # monotonic
     nbytes: int = 0
@@ -111,7 +113,7 @@ class Transfer:
     @property
     def running(self) -> bool:
         """Something NIXL moves for this read may still be running."""
-        return bool(self.handles or self.slices)
+        return bool(self.postings)
 
     def post(self, route: Route, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
         """Post a READ per remote rank this request reads (split across lanes when large,
@@ -126,7 +128,7 @@ class Transfer:
         reads = request_indices(plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
                                                        self.msg.remote_blocks))
         nbytes = {rank: _bytes_read(plan.peers[rank], lids) for rank, (lids, _) in reads.items()}
-        split = lanes.slices(sum(nbytes.values()))
+        split = self.split = lanes.slices(sum(nbytes.values()))
         self.read_ranks = list(reads)
         ref = self.msg.remote
         expected = route.expected
@@ -140,15 +142,16 @@ class Transfer:
                     self.notify_after.append(notif)
                 elif link.local is None or link.remote is None:  # too many descriptors to prepare
                     pp, er = plan.peers[rank], self.engine
-                    self.handles.append(nixl.read_rows(local_rows(pp, lids, er.region_addr, er.device), er.mem_type,
-                                                       remote_rows(pp, rids, link.remote_region_addr,
-                                                                   link.remote_device), link.remote_mem, route.agent))
+                    self.postings.append(AgentRead(nixl, nixl.read_rows(
+                        local_rows(pp, lids, er.region_addr, er.device), er.mem_type,
+                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), link.remote_mem,
+                        route.agent)))
                     self.notify_after.append(notif)
                 elif self.audit:  # consumers are told once the bytes are checked
-                    self.handles.append(nixl.read(link.local, lids, link.remote, rids, b""))
+                    self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids, b"")))
                     self.notify_after.append(notif)
                 else:
-                    self.handles.append(nixl.read(link.local, lids, link.remote, rids, notif))
+                    self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids, notif)))
                 self.nbytes += nbytes[rank]
                 self.descriptors += len(lids)
             for rank in plan.targets:
@@ -169,36 +172,21 @@ class Transfer:
         for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
             rows_l = local_rows(pp, local, er.region_addr, er.device)
             rows_r = remote_rows(pp, remote, link.remote_region_addr, link.remote_device)
-            self.slices.append(SliceRead(lane, lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent,
-                                                         metadata, on_sliced)))
+            self.postings.append(lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent, metadata, on_sliced))
 
-    def poll(self, nixl: NixlDriver) -> bool:
+    def poll(self) -> bool:
         """True once every READ is DONE; TransferError when NIXL reports one failed."""
-        return all(nixl.state(h) == DONE for h in self.handles) and all(s.ended() for s in self.slices)
+        return all(p.ended() for p in self.postings)
 
-    def release_ended(self, nixl: NixlDriver) -> None:
-        """Release the handles NIXL reports ended (done or failed); keep the ones still running."""
-        running = []
-        for h in self.handles:
-            try:
-                ended = nixl.state(h) == DONE
-            except TransferError:
-                ended = True
-            if ended:
-                nixl.release(h)
-            else:
-                running.append(h)
-        self.handles = running
-        self.slices = [s for s in self.slices if not s.release()]
+    def release_ended(self) -> None:
+        """Release the READs that ended (done or failed); keep the ones still running."""
+        self.postings = [p for p in self.postings if not p.release_if_ended()]
 
-    def release_all(self, nixl: NixlDriver) -> None:
-        """Release every handle: all DONE, as `poll` just saw (no second state query)."""
-        for h in self.handles:
-            nixl.release(h)
-        self.handles = []
-        for s in self.slices:
-            s.release()
-        self.slices = []
+    def release_all(self) -> None:
+        """Release every READ: all DONE, as `poll` just saw (no second state query)."""
+        for p in self.postings:
+            p.release()
+        self.postings = []
 
     def notify_consumers(self, nixl: NixlDriver) -> None:
         """A split read is DONE: tell its consumers, as a whole READ's own notification would."""
@@ -211,15 +199,21 @@ class Transfer:
                             self.route.peer.engine_id, exc)
         self.notify_after = []
 
-    def transfer_seconds(self, nixl: NixlDriver, recorder: Recorder) -> float:
-        """NIXL's own time for the slowest READ (0 without telemetry), recorded per handle."""
+    def transfer_seconds(self, recorder: Recorder) -> float:
+        """NIXL's own time for the slowest READ (0 when none was timed), recorded per READ.
+        A split read's slices ran side by side: the slowest is the read's time too."""
         slowest = 0.0
-        for h in self.handles:
-            tele = nixl.telemetry_of(h)
-            if tele:
-                recorder.nixl_timed(*tele)
-                slowest = max(slowest, tele[0] + tele[1])
+        for p in self.postings:
+            timing = p.timing()
+            if timing:
+                recorder.nixl_timed(*timing)
+                slowest = max(slowest, timing[0] + timing[1])
         return slowest
+
+    @property
+    def wakes_loop(self) -> bool:
+        """Every READ's end wakes the loop by itself: no spinning for this one."""
+        return all(p.wakes_loop for p in self.postings)
 
 
 class _AuditRefused(Exception):
@@ -368,7 +362,7 @@ class Reads:
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
-                                   len(t.slices))
+                                   len(t.postings) if t.split else 0)
         if t.running:
             self._on_posted()
         else:
@@ -564,7 +558,7 @@ class Reads:
         for t in [t for t in self._in_flight.values() if t.running]:
             self._check(t, now)
         for t in list(self._quarantine):
-            t.release_ended(self._nixl)
+            t.release_ended()
             if not t.running:
                 self._quarantine.remove(t)
                 self._gone(t)
@@ -572,19 +566,19 @@ class Reads:
 
     def _check(self, t: Transfer, now: float) -> None:
         try:
-            done = t.poll(self._nixl)
+            done = t.poll()
         except TransferError as exc:
-            t.release_ended(self._nixl)
+            t.release_ended()
             if t.route is not None:
                 self._peers.retire(t.route.peer, str(exc))
             self._fail(t, "transfer", str(exc))
             return
         if done:
-            took = t.transfer_seconds(self._nixl, self._recorder)
+            took = t.transfer_seconds(self._recorder)
             if t.nbytes >= 1 << 20 and took > 0:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
-            t.release_all(self._nixl)
+            t.release_all()
             t.done_at = now
             if t.audit:
                 self._spawn(self._audit(t))
@@ -611,8 +605,8 @@ class Reads:
         """
         wait = interval_s
         for t in self._in_flight.values():
-            if not t.handles:
-                continue  # nothing posted here; a split read's lanes wake the loop as slices are posted
+            if not t.postings or t.wakes_loop:
+                continue  # nothing posted yet, or lanes that wake the loop as their slices return
             for edge in (t.posted_at, t.posted_at + t.nbytes / self._rate):
                 if edge - spin_s <= now <= edge + spin_s:
                     return 0.0

@@ -3,7 +3,7 @@ reported by `kvxferd bench` as ratios against baselines measured in the same run
 
 import msgspec
 
-from kvxferd.benchmarks import control, dataplane, handshake, plan
+from kvxferd.benchmarks import control, dataplane, handshake, plan, step
 
 
 def test_bench_data_runs():
@@ -26,6 +26,12 @@ def test_bench_leases_runs():
     rows = control.run_leases(requests=20, rounds=1)
     assert [r["mode"] for r in rows] == ["off", "unannounced", "announced"]
     assert rows[0]["client_ratio"] == 1.0 and all(r["client_p50_us"] > 0 for r in rows)
+
+
+def test_bench_step_runs():
+    rows = step.run(steps=50)
+    assert [r["per_step"] for r in rows] == ["bare poll RPC (baseline)", "worker.results() (ships: doorbell)"]
+    assert all(r["p50_us"] > 0 for r in rows) and "worker / baseline" in step.render(rows)
 
 
 def test_bench_handshake_runs():

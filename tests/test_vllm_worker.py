@@ -64,6 +64,46 @@ def test_an_idle_step_waits_for_the_daemon_and_a_busy_step_does_not(daemon):
     w.close()
 
 
+def spy_calls(w: WorkerSide) -> list[str]:
+    """The names of the messages the worker's connection sends (each call goes through)."""
+    assert w.client is not None
+    sent: list[str] = []
+    real = w.client.rpc.call
+
+    def call(msg, *args, **kwargs):
+        sent.append(type(msg).__name__)
+        return real(msg, *args, **kwargs)
+    w.client.rpc.call = call
+    return sent
+
+
+def test_a_step_with_nothing_finished_costs_no_round_trip(daemon):
+    """With transfers pending, a busy step reads the doorbell; it polls the daemon only once the
+    daemon rang (here: when the hold's lease passes)."""
+    w = make_worker(daemon)
+    assert w.client is not None and w.client.doorbell is not None
+    w.start(Orders([HoldOrder("r1", [[1, 2]], 0.5)], [], idle=False))
+    sent = spy_calls(w)
+    for _ in range(200):
+        assert not w.results().sending
+    assert sent == []  # 200 steps, no round trip
+    assert "r1" in collect(w, "r1", 5).sending  # rung: one poll takes it
+    assert sent.count("Poll") == 1
+    w.close()
+
+
+def test_a_steps_orders_go_in_one_frame(daemon):
+    w = make_worker(daemon, "decode")
+    sent = spy_calls(w)
+    remote = RemoteRef("nobody", "127.0.0.1", 1, 1, "p-req")
+    w.start(Orders([HoldOrder("h1", [[1]], 30.0), HoldOrder("h2", [[2]], 30.0)],
+                   [ReadOrder("d1", remote, 4, [[5]], [[1]]), ReadOrder("d2", remote, 4, [[6]], [[2]])]))
+    assert sent == ["Batch"]
+    assert sorted(h.request for h in daemon_status(daemon).held) == ["h1", "h2"]
+    assert set(w.reading) == {"d1", "d2"}
+    w.close()
+
+
 def test_a_refused_hold_is_freed_by_the_worker_after_its_lease(daemon, monkeypatch):
     monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.2)
     w = make_worker(daemon)

@@ -15,9 +15,11 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     connect_timeout_s: float = 60.0  # worker start: how long to wait for the daemon
     side_channel: str = ""  # prefill: host:port decoders dial; default: what the daemon says
     # A step that schedules no tokens while transfers are pending (vLLM steps on until they end)
-    # waits up to this long for the daemon's next completion instead of spinning: an engine
-    # idle but for transfers leaves its cores to others; a new request waits at most this long.
-    idle_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0  # (the worker's lock is held meanwhile)
+    # waits up to this long on the daemon's doorbell instead of spinning: an engine idle but
+    # for transfers leaves its cores to others (a step that only read the doorbell would spin
+    # them: with TP 2 on two cores, its workers starved the daemons); a completion ends the
+    # wait at once; a new request waits at most this long.
+    idle_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0  # (the worker's lock is held meanwhile)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:

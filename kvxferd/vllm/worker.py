@@ -2,11 +2,13 @@
 
     register_kv_caches -> KV moved into shareable memory (shared_kv), described (layout),
                           registered with the daemon (fds over the Unix socket)
-    each step:  orders from the scheduler -> hold / read / release RPCs
-                poll (only while something is pending) -> finished sending / receiving,
+    each step:  orders from the scheduler -> one batch frame (expects, holds, reads, releases)
+                doorbell read (only while something is pending; a pipe the daemon writes a
+                byte to when completions wait) -> a poll only if it rang -> finished sending / receiving,
                 failed reads' block ids -> vLLM's kv_load_failure_policy
-                (a step with no tokens scheduled waits up to `idle_wait_s` for a completion:
-                vLLM steps an engine without pause while transfers are pending)
+                (a step with no tokens scheduled waits up to `idle_wait_s` on the doorbell:
+                vLLM steps an engine without pause while transfers are pending, and a step
+                that only reads a pipe would spin its cores)
 
 The daemon can restart under a running engine. A watcher thread notices (the socket reads
 EOF) even while the engine is idle: reads in flight end failed (vLLM recomputes or fails
@@ -23,12 +25,12 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from ..client import DaemonError, EngineClient, MemoryHandle
+from .. import protocol as P
+from ..client import DaemonError, EngineClient, MemoryHandle, Order
 from ..plan.geometry import Geometry
 from .handoff import ExpectOrder, HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
@@ -107,7 +109,8 @@ class WorkerSide:
             return False
         try:
             memory = [MemoryHandle(b.kind, b.nbytes, b.device) for b in self.buffers]
-            side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers])
+            side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers],
+                                   doorbell=True)
             now = time.monotonic()
             for request_id, (order, end) in list(self.holds.items()):
                 if client.agent != self.daemon_agent:  # a new daemon: the old one's claims died with it
@@ -165,12 +168,9 @@ class WorkerSide:
     def _start(self, orders: Orders) -> None:
         self.idle_step = orders.idle
         now = time.monotonic()
-        for expect in orders.expects:
-            self._call(expect.request_id, _expect_rpc(expect))
         for hold in orders.holds:
             self.holds[hold.request_id] = (hold, now + hold.lease_s)
-            if self._call(hold.request_id, _hold_rpc(hold)):
-                self.accepted[hold.request_id] = now
+        reads = []
         for read in orders.reads:
             if read.refusal:  # cannot be read as vLLM was promised: fail it here, free the prefill's hold
                 self.reading[read.request_id] = read
@@ -180,41 +180,67 @@ class WorkerSide:
                 self.releasing.add(read.request_id)
             else:
                 self.reading[read.request_id] = read
-            self._call(read.request_id, _read_rpc(read, self.read_deadline_s))
+            reads.append(read)
+        if orders.expects or orders.holds or reads:
+            self._send(orders.expects, orders.holds, reads, now)
 
-    def _call(self, request_id: str, rpc: Callable[[EngineClient], None]) -> bool:
-        """True when the daemon took the order."""
+    def _send(self, expects: list[ExpectOrder], holds: list[HoldOrder], reads: list[ReadOrder], now: float) -> None:
+        """A step's orders in one frame: one round trip per step, however many it holds."""
         if self.client is None:
-            if request_id in self.reading:
-                self._fail(request_id, "no kvxferd daemon connected")
-            self.releasing.discard(request_id)
-            return False
+            for read in reads:
+                if read.request_id in self.reading:
+                    self._fail(read.request_id, "no kvxferd daemon connected")
+                self.releasing.discard(read.request_id)
+            return
+        r = self.client.requests
+        sent: list[tuple[str, Order]] = [
+            *((e.request_id, r.expect(e.request_id, e.remote)) for e in expects),
+            *((h.request_id, r.hold(h.request_id, h.lease_s, h.block_ids)) for h in holds),
+            *((o.request_id, r.read(o.request_id, o.remote, o.num_tokens, o.local_blocks, o.remote_blocks,
+                                    self.read_deadline_s)) for o in reads)]
         try:
-            rpc(self.client)
-            return True
-        except DaemonError as exc:  # refused: this request only
-            log.warning("kvxferd refused request %s: %s", request_id, exc)
-            if request_id in self.reading:
-                self._fail(request_id, str(exc))
-            self.releasing.discard(request_id)
+            outcomes = self.client.batch([order for _, order in sent])
         except OSError as exc:
             self._lost(exc)
-        return False
+            return
+        for (request_id, order), refused in zip(sent, outcomes):
+            if refused is None:
+                if isinstance(order, P.Hold):
+                    self.accepted[request_id] = now
+                continue
+            log.warning("kvxferd refused %s of request %s: %s", type(order).__name__.lower(), request_id, refused)
+            if isinstance(order, P.Read):  # a refused hold waits for its lease; an expect changes nothing
+                if request_id in self.reading:
+                    self._fail(request_id, str(refused))
+                self.releasing.discard(request_id)
 
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
-        """Finished transfers since the last step. Polls the daemon only while something is pending."""
+        """Finished transfers since the last step. While something is pending, a step reads the
+        doorbell (no round trip) and polls only when the daemon rang it."""
         with self.lock:
             if self.reading or self.releasing or self.holds:
                 waiting = self.idle_step and not (self.finished.sending or self.finished.recving)
-                self._poll(self.idle_wait_s if waiting else 0.0)
+                self._collect(self.idle_wait_s if waiting else 0.0)
             self._expire_orphaned_holds()
             finished, self.finished = self.finished, Finished()
             return finished
 
-    def _poll(self, wait_s: float) -> None:
+    def _collect(self, wait_s: float) -> None:
+        """Take the daemon's completions, waiting up to `wait_s` for one: on the doorbell, then
+        one poll if it rang; a daemon without doorbells (before protocol 5) is long-polled."""
         if self.client is None:
             return
+        try:
+            if self.client.doorbell is None:
+                self._poll(wait_s)
+            elif self.client.rung(wait_s):
+                self._poll(0.0)
+        except OSError as exc:
+            self._lost(exc)
+
+    def _poll(self, wait_s: float) -> None:
+        assert self.client is not None
         try:
             completions = self.client.poll(wait_s)
         except OSError as exc:
@@ -291,25 +317,6 @@ class WorkerSide:
             self.client = None
         for b in self.buffers:
             b.close()
-
-
-def _hold_rpc(order: HoldOrder) -> Callable[[EngineClient], None]:
-    def rpc(c: EngineClient) -> None:
-        c.hold(order.request_id, order.lease_s, order.block_ids)
-    return rpc
-
-
-def _expect_rpc(order: ExpectOrder) -> Callable[[EngineClient], None]:
-    def rpc(c: EngineClient) -> None:
-        c.expect(order.request_id, order.remote)
-    return rpc
-
-
-def _read_rpc(order: ReadOrder, deadline_s: float) -> Callable[[EngineClient], None]:
-    def rpc(c: EngineClient) -> None:
-        c.read(order.request_id, order.remote, order.num_tokens, order.local_blocks, order.remote_blocks,
-               deadline_s)
-    return rpc
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

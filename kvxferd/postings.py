@@ -1,0 +1,111 @@
+"""A READ in flight, wherever it was posted: the one kind of work `reads` polls, releases and times.
+
+    AgentRead  a whole READ on the daemon's own agent (prepared lists, or explicit rows)
+    SliceRead  one slice of a split read, posted from a lane's thread (lanes.py)
+
+    ended()            True once DONE; TransferError when it failed; False while it runs (or
+                       while a slice is still being posted)
+    release_if_ended() released if it ended (done or failed); False while it still runs
+    release()          release one that `ended()` saw DONE (no second state query)
+    timing()           (post seconds, transfer seconds) once DONE; None when not known
+    wakes_loop         its end wakes the daemon's loop by itself: a lane's post returns on the
+                       loop with the copy done (CMA copies inside the post), so the loop need
+                       not spin for it
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
+
+from .nixl_driver import DONE, NixlDriver, TransferError, XferHandle
+
+if TYPE_CHECKING:
+    from .lanes import Lane
+
+
+class Posting(Protocol):
+    wakes_loop: bool
+
+    def ended(self) -> bool: ...
+    def release_if_ended(self) -> bool: ...
+    def release(self) -> None: ...
+    def timing(self) -> tuple[float, float] | None: ...
+
+
+class AgentRead:
+    """A whole READ posted on the daemon's agent (from the loop's thread)."""
+
+    wakes_loop = False
+    __slots__ = ("handle", "nixl")
+
+    def __init__(self, nixl: NixlDriver, handle: XferHandle) -> None:
+        self.nixl, self.handle = nixl, handle
+
+    def ended(self) -> bool:
+        return self.nixl.state(self.handle) == DONE
+
+    def release_if_ended(self) -> bool:
+        try:
+            if self.nixl.state(self.handle) != DONE:
+                return False
+        except TransferError:
+            pass
+        self.nixl.release(self.handle)
+        return True
+
+    def release(self) -> None:
+        self.nixl.release(self.handle)
+
+    def timing(self) -> tuple[float, float] | None:
+        return self.nixl.telemetry_of(self.handle)
+
+
+class Posted:
+    """What a lane's thread returns for a slice: its handle, and how long the post took when
+    the slice was DONE as it returned (the copy ran inside it); 0 when it was not."""
+
+    __slots__ = ("handle", "seconds")
+
+    def __init__(self, handle: XferHandle, seconds: float) -> None:
+        self.handle, self.seconds = handle, seconds
+
+
+class SliceRead:
+    """One slice of a split read: posted, or being posted, on a lane."""
+
+    wakes_loop = True
+    __slots__ = ("lane", "posting")
+
+    def __init__(self, lane: Lane, posting: Future[Posted]) -> None:
+        self.lane, self.posting = lane, posting
+
+    def ended(self) -> bool:
+        if not self.posting.done():
+            return False
+        posted = self.posting.result()  # re-raises the post's TransferError
+        return self.lane.nixl.state(posted.handle) == DONE
+
+    def release_if_ended(self) -> bool:
+        if not self.posting.done():
+            return False
+        if self.posting.exception() is not None:
+            return True  # nothing was posted
+        handle = self.posting.result().handle
+        try:
+            if self.lane.nixl.state(handle) != DONE:
+                return False
+        except TransferError:
+            pass
+        self.lane.nixl.release(handle)
+        return True
+
+    def release(self) -> None:
+        self.lane.nixl.release(self.posting.result().handle)
+
+    def timing(self) -> tuple[float, float] | None:
+        seconds = self.posting.result().seconds
+        return (0.0, seconds) if seconds > 0 else None
+
+
+__all__ = ["AgentRead", "Posted", "Posting", "SliceRead"]
