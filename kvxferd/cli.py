@@ -237,7 +237,8 @@ def bench_vllm(
     workdir: Path | None = typer.Option(None, help="Where logs go (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Real vLLM P/D through kvxferd vs vLLM's NixlConnector: TTFT, decode TTFT, requests/s, idle CPU."""
+    """Real vLLM P/D through kvxferd vs vLLM's NixlConnector vs one plain vLLM: TTFT, decode TTFT,
+    inter-token latency, requests/s, idle CPU, and kvxferd's cost per decode step inside vLLM."""
     import tempfile
 
     from .lab import vllm_bench as bench
@@ -245,7 +246,7 @@ def bench_vllm(
     with tempfile.TemporaryDirectory(prefix="kvxferd-bench-vllm-") as tmp:
         result = bench.run(rounds, lengths, concurrency, requests, max_tokens, idle_s, workdir or Path(tmp),
                            say=lambda m: typer.echo(m, err=True))
-    out = {"cases": result.table(), "idle_cpu_percent": result.idle_table()}
+    out = {"cases": result.table(), "idle_cpu_percent": result.idle_table(), "step_cost": result.step}
     typer.echo(json.dumps(out, indent=2) if as_json else bench.render(out))
 
 

@@ -57,3 +57,18 @@ def test_bench_json_is_only_json_on_stdout():
     rows = json.loads(out.stdout)
     assert rows and all("kvxferd_over_raw" in r for r in rows)
     assert "NIXL INFO" in out.stderr  # the agents' lines are still there, on stderr
+
+
+def test_histogram_quantiles_come_from_vllms_metrics_text():
+    from kvxferd.lab.vllm_bench import histogram_quantile
+
+    text = "\n".join([
+        '# TYPE vllm:kvxferd_step_seconds histogram',
+        'vllm:kvxferd_step_seconds_bucket{engine="0",le="1e-05"} 10.0',
+        'vllm:kvxferd_step_seconds_bucket{engine="0",le="2e-05"} 60.0',
+        'vllm:kvxferd_step_seconds_bucket{engine="0",le="5e-05"} 99.0',
+        'vllm:kvxferd_step_seconds_bucket{engine="0",le="+Inf"} 100.0',
+        'vllm:kvxferd_step_seconds_count{engine="0"} 100.0'])
+    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.5) == (2e-05, 100)
+    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.99) == (5e-05, 100)
+    assert histogram_quantile(text, "vllm:kvxferd_read_seconds", 0.5) == (0.0, 0)

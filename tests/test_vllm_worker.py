@@ -89,6 +89,11 @@ def test_a_step_with_nothing_finished_costs_no_round_trip(daemon):
     assert sent == []  # 200 steps, no round trip
     assert "r1" in collect(w, "r1", 5).sending  # rung: one poll takes it
     assert sent.count("Poll") == 1
+    steps = w.take_stats().step_seconds  # what vLLM's /metrics shows (vllm:kvxferd_step_seconds)
+    assert len(steps) >= 200 and all(s > 0 for s in steps)
+    w.start(Orders([], [], idle=True))
+    w.results()
+    assert w.take_stats().step_seconds == []  # nothing pending, and an idle step waits by design
     w.close()
 
 

@@ -1,16 +1,22 @@
-"""`kvxferd bench vllm`: real vLLM P/D through kvxferd side by side with vLLM's NixlConnector.
+"""`kvxferd bench vllm`: real vLLM P/D through kvxferd side by side with vLLM's NixlConnector,
+and the same vLLM alone with no connector.
 
-Both setups run the same tiny model on the same machine: two vLLM instances each (prefill on
-core 0, decode on core 1), kvxferd's with its two daemons. Rounds alternate between them so
-the machine's noise weighs on both alike; the setup not being measured is frozen (SIGSTOP),
-so its idle pollers take no CPU from the one that is. Per prompt length and concurrency:
+The setups run the same tiny model on the same machine: two vLLM instances for each P/D setup
+(prefill on core 0, decode on core 1), kvxferd's with its two daemons, and one plain instance
+(core 1) that prefills and decodes itself. Rounds alternate between them so the machine's noise
+weighs on all alike; the setups not being measured are frozen (SIGSTOP), so their idle pollers
+take no CPU from the one that is. Per prompt length and concurrency:
 
     TTFT         prefill request + decode request until its first token (what the router does)
     decode TTFT  the decode request alone: KV ready (handshake, pull) + one decode step
+    ITL          inter-token latency of the decode: (last token - first token) / (tokens - 1)
     requests/s   requests finished / wall time
     idle CPU     each instance's and daemon's CPU over an idle window, % of one core
 
-and the ratio kvxferd / NixlConnector for each.
+the ratio kvxferd / NixlConnector for each, and each P/D decode's ITL over the plain
+instance's (what a connector costs a decode step). And, from the kvxferd decode's own /metrics
+(`vllm:kvxferd_step_seconds`): what the connector cost each step that scheduled tokens while
+transfers were pending, measured inside vLLM.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .synthetic.demo import DaemonProcess
-from .vllm_servers import DEFAULT_VENV, VllmServer, free_port, make_model, stream
+from .vllm_servers import DEFAULT_VENV, VllmServer, free_port, get_text, make_model, stream
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -63,15 +69,17 @@ def cpu_seconds(pids: list[int]) -> float:
 
 @dataclass
 class Setup:
-    """One P/D pair (and its daemons, for kvxferd)."""
+    """One P/D pair (and its daemons, for kvxferd), or one plain instance (no prefill)."""
 
     name: str
-    prefill: VllmServer
+    prefill: VllmServer | None
     decode: VllmServer
     daemons: list[DaemonProcess] = field(default_factory=list)
 
     def processes(self) -> dict[str, list[int]]:
-        procs = {"prefill vLLM": descendants(self.prefill.proc.pid), "decode vLLM": descendants(self.decode.proc.pid)}
+        procs = {"decode vLLM": descendants(self.decode.proc.pid)}
+        if self.prefill is not None:
+            procs["prefill vLLM"] = descendants(self.prefill.proc.pid)
         for d in self.daemons:
             procs[d.name] = [d.proc.pid]
         return procs
@@ -96,14 +104,18 @@ class Setup:
 class Sample:
     ttft_s: float
     decode_ttft_s: float
+    itl_s: float  # the decode's time per token after its first
 
 
 def one_request(setup: Setup, prompt: list[int], max_tokens: int) -> Sample:
+    if setup.prefill is None:  # the plain instance prefills itself
+        d = stream(setup.decode.url, prompt, max_tokens)
+        return Sample(d.ttft_s, d.ttft_s, (d.total_s - d.ttft_s) / max(max_tokens - 1, 1))
     t0 = time.perf_counter()
     p = setup.prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
     prefill_s = time.perf_counter() - t0
     d = stream(setup.decode.url, prompt, max_tokens, kv_transfer_params=p["kv_transfer_params"])
-    return Sample(prefill_s + d.ttft_s, d.ttft_s)
+    return Sample(prefill_s + d.ttft_s, d.ttft_s, (d.total_s - d.ttft_s) / max(max_tokens - 1, 1))
 
 
 def run_case(setup: Setup, length: int, concurrency: int, requests: int, rng: random.Random,
@@ -124,12 +136,14 @@ def pct(values: list[float], q: float) -> float:
 class Result:
     cases: dict[tuple[int, int], dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     idle: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    step: dict[str, float] = field(default_factory=dict)  # the kvxferd decode's step cost, from its /metrics
 
     def add(self, setup: str, length: int, concurrency: int, samples: list[Sample], rps: float) -> None:
         c = self.cases.setdefault((length, concurrency), {}).setdefault(
-            setup, {"ttft": [], "decode_ttft": [], "rps": []})
+            setup, {"ttft": [], "decode_ttft": [], "itl": [], "rps": []})
         c["ttft"] += [s.ttft_s for s in samples]
         c["decode_ttft"] += [s.decode_ttft_s for s in samples]
+        c["itl"] += [s.itl_s for s in samples]
         c["rps"].append(rps)
 
     def table(self) -> list[dict[str, Any]]:
@@ -140,11 +154,15 @@ class Result:
                 row[name] = {"ttft_ms_p50": 1e3 * statistics.median(c["ttft"]),
                              "ttft_ms_p99": 1e3 * pct(c["ttft"], .99),
                              "decode_ttft_ms_p50": 1e3 * statistics.median(c["decode_ttft"]),
+                             "itl_ms_p50": 1e3 * statistics.median(c["itl"]),
                              "requests_per_s": statistics.median(c["rps"]), "samples": len(c["ttft"])}
             if "kvxferd" in by and "nixl" in by:
                 k, n = row["kvxferd"], row["nixl"]
                 row["ratio"] = {m: k[m] / n[m] for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50",
-                                                         "requests_per_s")}
+                                                         "itl_ms_p50", "requests_per_s")}
+            if "plain" in by:
+                row["itl_over_plain"] = {name: row[name]["itl_ms_p50"] / row["plain"]["itl_ms_p50"]
+                                         for name in by if name != "plain"}
             rows.append(row)
         return rows
 
@@ -160,20 +178,36 @@ def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
     def nixl_env() -> dict[str, str]:
         return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
-    servers = {
-        "kvxferd": (VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0"),
-                    VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1")),
-        "nixl": (VllmServer(wd, "nixl-prefill", model, "kv_producer", "nixl", cores="0", env=nixl_env()),
-                 VllmServer(wd, "nixl-decode", model, "kv_consumer", "nixl", cores="1", env=nixl_env())),
+    setups = {
+        "kvxferd": Setup("kvxferd",
+                         VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0"),
+                         VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1"),
+                         [p_daemon, d_daemon]),
+        "nixl": Setup("nixl", VllmServer(wd, "nixl-prefill", model, "kv_producer", "nixl", cores="0", env=nixl_env()),
+                      VllmServer(wd, "nixl-decode", model, "kv_consumer", "nixl", cores="1", env=nixl_env())),
+        "plain": Setup("plain", None, VllmServer(wd, "plain", model, cores="1")),
     }
-    for pair in servers.values():
-        for s in pair:
-            stack.callback(s.stop)
-    for pair in servers.values():
-        for s in pair:
-            s.wait_ready()
-    return {"kvxferd": Setup("kvxferd", *servers["kvxferd"], [p_daemon, d_daemon]),
-            "nixl": Setup("nixl", *servers["nixl"])}
+    servers = [s for setup in setups.values() for s in (setup.prefill, setup.decode) if s is not None]
+    for s in servers:
+        stack.callback(s.stop)
+    for s in servers:
+        s.wait_ready()
+    return setups
+
+
+def histogram_quantile(text: str, name: str, q: float) -> tuple[float, int]:
+    """The upper bound of the bucket holding quantile `q` of a Prometheus histogram (its label
+    sets summed), and its count; (0, 0) when it has no observations."""
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line[line.index('le="') + 4:].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return 0.0, 0
+    return next(b for b in sorted(buckets) if buckets[b] >= q * total), int(total)
 
 
 def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int, max_tokens: int,
@@ -195,7 +229,7 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
             run_case(s, 64, 1, 2, rng, 4)
             s.signal(signal.SIGSTOP)
         for r in range(rounds):
-            order = ["kvxferd", "nixl"] if r % 2 == 0 else ["nixl", "kvxferd"]
+            order = ["kvxferd", "nixl", "plain"] if r % 2 == 0 else ["plain", "nixl", "kvxferd"]
             for name in order:
                 setup = setups[name]
                 setup.signal(signal.SIGCONT)
@@ -211,17 +245,34 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
                         result.idle.setdefault(name, {}).setdefault(part, []).append(cpu)
                 finally:
                     setup.signal(signal.SIGSTOP)
+        decode = setups["kvxferd"].decode
+        setups["kvxferd"].signal(signal.SIGCONT)
+        text = get_text(decode.url + "/metrics")
+        for q in (0.5, 0.99):
+            bound, count = histogram_quantile(text, "vllm:kvxferd_step_seconds", q)
+            result.step[f"p{round(q * 100)}_us_at_most"] = bound * 1e6
+            result.step["steps"] = count
     return result
 
 
 def render(out: dict[str, Any]) -> str:
-    lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s",
-             "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"]
+    lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s        "
+             "| decode ITL p50 ms",
+             "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"
+             "| kvxferd  nixl plain | kvxferd/plain nixl/plain"]
     for row in out["cases"]:
-        k, n, r = row["kvxferd"], row["nixl"], row["ratio"]
+        k, n, r, p = row["kvxferd"], row["nixl"], row["ratio"], row["plain"]
         cells = [f"{k[m]:7.1f} {n[m]:6.1f} {r[m]:4.2f}" for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50")]
         cells.append(f"{k['requests_per_s']:6.2f} {n['requests_per_s']:5.2f} {r['requests_per_s']:4.2f}")
+        cells.append(f"{k['itl_ms_p50']:7.2f} {n['itl_ms_p50']:5.2f} {p['itl_ms_p50']:5.2f} | "
+                     f"{row['itl_over_plain']['kvxferd']:13.3f} {row['itl_over_plain']['nixl']:10.3f}")
         lines.append(f"{row['prompt_tokens']:6d} {row['concurrency']:4d} | " + "| ".join(cells))
+    step = out.get("step_cost", {})
+    if step.get("steps"):
+        lines.append("")
+        lines.append(f"kvxferd's cost per decode step with transfers pending, inside vLLM ({step['steps']} steps): "
+                     f"p50 <= {step['p50_us_at_most']:g} us, p99 <= {step['p99_us_at_most']:g} us "
+                     "(histogram bucket bounds)")
     lines.append("")
     lines.append("idle CPU, % of one core:")
     for setup, parts in out["idle_cpu_percent"].items():

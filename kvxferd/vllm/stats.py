@@ -9,6 +9,10 @@ aggregates them across workers and steps (`KvxferdStats.aggregate`) and records 
     vllm:kvxferd_failed_reads_total      counter    reads that ended failed (decode)
     vllm:kvxferd_sent_holds_total        counter    holds all consumers read (prefill)
     vllm:kvxferd_expired_holds_total     counter    holds whose lease passed first (prefill)
+    vllm:kvxferd_step_seconds            histogram  what a step that schedules tokens paid the
+                                                    connector to learn about finished transfers
+                                                    while transfers were pending (doorbell read,
+                                                    and a poll when it rang)
 
 The daemon's own `kvxferd_*` series (per peer, per outcome) stay on its metrics port.
 """
@@ -48,8 +52,10 @@ class KvxferdStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         seconds, nbytes = self.data["read_seconds"], self.data["read_bytes"]
+        steps = sorted(self.data.get("step_seconds", ()))
         return {"reads": len(seconds), "read_bytes": sum(nbytes),
                 "avg_read_ms": round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0,
+                "step_us_p50": round(1e6 * steps[len(steps) // 2], 1) if steps else 0.0,
                 **{key: self.data[key] for key in _COUNTS}}
 
     def is_empty(self) -> bool:
@@ -69,6 +75,9 @@ class KvxferdPromMetrics(KVConnectorPromMetrics):
                                        "kvxferd reads received: post to arrival, seconds",
                                        buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                 1.0, 2.5, 5.0])
+        self.step_seconds = per_engine(self._histogram_cls, "vllm:kvxferd_step_seconds",
+                                       "kvxferd's cost to an engine step with transfers pending, seconds",
+                                       buckets=[5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3])
         self.read_bytes = per_engine(self._histogram_cls, "vllm:kvxferd_read_bytes",
                                      "kvxferd reads received: bytes", buckets=[2 ** (12 + 2 * i) for i in range(11)])
         self.counters = {
@@ -83,6 +92,8 @@ class KvxferdPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for seconds in transfer_stats_data.get("read_seconds", ()):
             self.read_seconds[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("step_seconds", ()):
+            self.step_seconds[engine_idx].observe(seconds)
         for nbytes in transfer_stats_data.get("read_bytes", ()):
             self.read_bytes[engine_idx].observe(nbytes)
         for key, counters in self.counters.items():

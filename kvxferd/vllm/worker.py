@@ -39,6 +39,7 @@ log = logging.getLogger("kvxferd.vllm")
 
 RECONNECT_INTERVAL_S = 1.0
 ORPHAN_GRACE_S = 5.0  # past its lease, a connected daemon's "expired" should have come
+MAX_STEP_SAMPLES = 4096  # step costs kept between two of vLLM's stats collections
 
 
 @dataclass
@@ -50,9 +51,12 @@ class TransferStats:
     failed_reads: int = 0
     sent: int = 0  # holds whose consumers all read them
     expired: int = 0  # holds whose lease passed first
+    # per step that schedules tokens while transfers are pending: what learning about finished
+    # transfers cost it (the doorbell read, and a poll when it rang)
+    step_seconds: list[float] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.read_seconds or self.failed_reads or self.sent or self.expired)
+        return not (self.read_seconds or self.failed_reads or self.sent or self.expired or self.step_seconds)
 
 
 @dataclass
@@ -221,7 +225,10 @@ class WorkerSide:
         with self.lock:
             if self.reading or self.releasing or self.holds:
                 waiting = self.idle_step and not (self.finished.sending or self.finished.recving)
+                started = time.perf_counter()
                 self._collect(self.idle_wait_s if waiting else 0.0)
+                if not self.idle_step and len(self.stats.step_seconds) < MAX_STEP_SAMPLES:
+                    self.stats.step_seconds.append(time.perf_counter() - started)
             self._expire_orphaned_holds()
             finished, self.finished = self.finished, Finished()
             return finished
