@@ -1,11 +1,13 @@
 """Leases with real vLLM: a decode busy for longer than the prefill's lease.
 
-The prefill (`lease_s` 5 s) answers every request at once; each decode runs one request at a
-time (`--max-num-seqs 1`) and generates long answers, so the last requests are read well after
-their prefill's lease would have passed. With demand-driven leases (the decode connector
-expects each request as it arrives, its daemon keeps the holds alive) every request reads its
-own KV; with renewal off the late reads fail `expired`, vLLM recomputes them
-(`kv_load_failure_policy` recompute), and no output comes from another prompt's KV: every
+The prefill (`lease_s` 5 s) answers every request at once. Each decode's KV cache holds one
+request at a time (30 blocks: a prompt takes 19, its answer grows it to 27), so a request
+waits without blocks, and its read cannot start, until the one before it is done: the last
+reads come well after their prefill's lease would have passed. (With blocks free, vLLM starts
+a request's read as soon as it arrives, however busy the decode is.) With demand-driven leases
+(the decode connector expects each request as it arrives, its daemon keeps the holds alive)
+every request reads its own KV; with renewal off the late reads fail `expired`, vLLM recomputes
+them (`kv_load_failure_policy` recompute), and no output comes from another prompt's KV: every
 answer equals a single instance's.
 """
 
@@ -26,10 +28,12 @@ pytestmark = pytest.mark.vllm
 
 # Long enough for the decode's first claim to reach the prefill's daemon on a loaded 2-core
 # machine (measured: up to ~0.5 s from the hold, with four vLLM servers spinning), far shorter
-# than the decode's queue (each request generates for several seconds).
+# than the decode's queue (each request generates for seconds, one after the other).
 LEASE_S = 5.0
 REQUESTS = 8
-MAX_TOKENS = 384  # per request: the decode stays busy for several leases in all
+PROMPT_TOKENS = 600  # 19 blocks of 32
+MAX_TOKENS = 256  # the answer grows a request to 27 blocks
+DECODE_BLOCKS = 30  # room for one request, not for a second one's prompt
 DTYPE = "float32"
 
 
@@ -47,7 +51,8 @@ class World:
         self.d_on = DaemonProcess(workdir, "d-on-daemon", metrics_port=0)
         self.d_off = DaemonProcess(workdir, "d-off-daemon", metrics_port=0, extra=["--no-lease-renewal"])
         common = dict(dtype=DTYPE, connector="kvxferd", cores="nobind")
-        busy = ["--max-num-seqs", "1"]
+        busy = ["--max-num-seqs", "1", "--num-gpu-blocks-override", str(DECODE_BLOCKS),
+                "--max-model-len", str((DECODE_BLOCKS - 1) * 32)]  # vLLM keeps one block back
         self.servers = [
             ref := VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind"),
             p := VllmServer(workdir, "prefill", model, role="kv_producer", socket=self.pd.socket,
@@ -62,9 +67,9 @@ class World:
             s.wait_ready()
 
     def late_reads(self, decode: VllmServer, seed: int) -> tuple[list[str], list[str]]:
-        """Prefill each prompt (held for LEASE_S) and pass it on at once to a decode that runs one
-        request at a time; returns (decode answers, single-instance answers)."""
-        cases = prompts(REQUESTS, 100, seed=seed)
+        """Prefill each prompt (held for LEASE_S) and pass it on at once to a decode that has
+        blocks for one request at a time; returns (decode answers, single-instance answers)."""
+        cases = prompts(REQUESTS, PROMPT_TOKENS, seed=seed)
         with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
             futures = []
             for c in cases:
