@@ -248,6 +248,7 @@ class EngineClient:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
         self.doorbell: int | None = None  # doorbell pipe's read end: a byte when completions wait
+        self._bell: select.poll | None = None  # watches `doorbell`
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
         self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
@@ -285,8 +286,11 @@ class EngineClient:
         with `wait_s`, waits that long for a ring first (the engine's process sleeps meanwhile)."""
         if self.doorbell is None:
             return True
-        if wait_s > 0:
-            select.select([self.doorbell], [], [], wait_s)
+        if self._bell is None:
+            self._bell = select.poll()
+            self._bell.register(self.doorbell, select.POLLIN)
+        if not self._bell.poll(wait_s * 1000):  # nothing rang (no exception raised: the common case)
+            return False
         try:
             os.read(self.doorbell, 4096)  # the rings so far (b"": the daemon's end closed: poll anyway)
         except BlockingIOError:
@@ -344,7 +348,7 @@ class EngineClient:
         self.rpc.close()
         if self.doorbell is not None:
             os.close(self.doorbell)
-            self.doorbell = None
+            self.doorbell = self._bell = None
 
     def __enter__(self) -> EngineClient:
         return self

@@ -297,6 +297,8 @@ class WorkerSide:
     def _expire_orphaned_holds(self) -> None:
         """Holds whose lease passed without the daemon ending them (no daemon connected, or it
         refused the hold): free them here, so no block is held forever."""
+        if self.client is not None and len(self.accepted) == len(self.holds):
+            return  # every hold is the connected daemon's to end (accepted is a subset of holds)
         now = time.monotonic()
         grace = 0.0 if self.client is None else ORPHAN_GRACE_S
         for request_id, (_, end) in list(self.holds.items()):
