@@ -16,4 +16,4 @@ mypy
 ruff check kvxferd tests bench fuzz
 KVXFERD_VLLM_PYTHON="$(./scripts/vllm-env.sh | tail -n 1)"
 export KVXFERD_VLLM_PYTHON
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"
