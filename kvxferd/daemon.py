@@ -362,7 +362,7 @@ class Daemon:
                 return P.Ok()
             case P.Expect(engine_id=engine_id, tp_rank=rank):
                 er = self._rank(engine_id, rank, conn, "expect")
-                self.leases.expect(er.key, msg.request_id, msg.remote)
+                self._expect(er.key, msg)
                 return P.Ok()
             case P.Batch(items=items):
                 return self._batch(conn, items, received_at)
@@ -370,6 +370,10 @@ class Daemon:
                 return self._rank(engine_id, rank, conn, "poll").take_completions(max_items)
             case P.StatusQuery():
                 return P.StatusReply(self.status())
+
+    def _expect(self, er: tuple[str, int], msg: P.Expect) -> None:
+        if self.reads.may_dial(msg.remote.host, msg.remote.port):
+            self.leases.expect(er, msg.request_id, msg.remote)
 
     def _hold(self, er: EngineRank, msg: P.Hold) -> Awaitable[object] | None:
         digesting = self.holds.hold(er, msg)
@@ -422,7 +426,7 @@ class Daemon:
                     if digesting is not None:
                         waits.append(digesting)
                 elif isinstance(item, P.Expect):
-                    self.leases.expect((item.engine_id, item.tp_rank), item.request_id, item.remote)
+                    self._expect((item.engine_id, item.tp_rank), item)
                 else:
                     self.reads.start(self._rank(item.engine_id, item.tp_rank, conn), item, received_at)
                 results.append(P.Ok())

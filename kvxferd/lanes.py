@@ -72,11 +72,9 @@ class Lane:
                 except Exception as exc:
                     raise TransferError(f"lane {self.index}: loading peer {peer}: {exc}") from exc
                 loaded.add(blob)
-        started = time.perf_counter()
         handle = self.nixl.read_rows(local, local_mem, remote, remote_mem, peer)
-        took = time.perf_counter() - started
-        try:  # DONE already: the copy ran inside the post, whose length is the slice's time
-            return Posted(handle, took if self.nixl.state(handle) == DONE else 0.0)
+        try:  # DONE already (the copy ran inside the post): the slice's end is now
+            return Posted(handle, time.monotonic() if self.nixl.state(handle) == DONE else 0.0)
         except TransferError:
             return Posted(handle, 0.0)  # the loop's check reports it
 

@@ -12,8 +12,8 @@ vouched that the hold lived from before the READ's post to after its end:
     READ seen DONE at t:   a claim covers t -> "received" at once (no round trip)
                            else ask again:  held / consumed -> "received"
                                             ended, or pending until the deadline -> "failed expired"
-    while anything holds a claim (renewal on): asked again when a third of its grant is left,
-                                               every PENDING_RETRY_S while the hold is not held yet
+    while anything holds a claim (renewal on): asked again when a third of its grant is left;
+                                               while the hold is not there yet, from 50 ms on, backing off
 
 Why this is enough: the prefill daemon answers "held" only for a hold that never ended (one held
 again after ending is "ended"), and does not end a hold it answered before the time it granted,
@@ -46,8 +46,11 @@ log = logging.getLogger("kvxferd")
 ClaimKey = tuple[str, int, str, int, str]  # (peer host, side-channel port, engine id, prefill rank, request id)
 ExpectKey = tuple[str, int, str]  # (local engine id, tp rank, local request id)
 RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no answer
-PENDING_RETRY_S = 0.05  # an expectation's claim on a hold not held yet is asked again this soon
-UNANSWERED_RETRY_S = 1.0  # ... and one that got no answer (refused, timed out) this soon
+# An expectation's claim on a hold not held yet is asked again after PENDING_RETRY_S, doubling to
+# PENDING_RETRY_MAX_S (a request id the prefill never holds costs a claim every 2 s, not 20 a
+# second); one that got no answer (refused, timed out) after 1 s, doubling to 10 s.
+PENDING_RETRY_S, PENDING_RETRY_MAX_S = 0.05, 2.0
+UNANSWERED_RETRY_S, UNANSWERED_RETRY_MAX_S = 1.0, 10.0
 SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds: clock rates and rounding
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
@@ -67,6 +70,7 @@ class Claim:
     unread: bool = False  # a read of ours that needed it failed (it never notified)
     agent: str = ""  # the prefill daemon (NIXL agent) that answered last; "" if it did not say
     unanswered: bool = False  # the last request naming it got no answer (refused, timed out)
+    retry_s: float = 0.0  # when not held (pending, unanswered): the wait before it is asked again
 
     def covers(self, t: float, epoch: str) -> bool:
         """Vouched for through `t`, by the registration `epoch` the read was planned against."""
@@ -290,16 +294,21 @@ class Leases:
                 if a.state == "held":
                     c.held_since = sent
                     c.until = sent + a.granted_s * (1 - SKEW) - SKEW
+                    c.retry_s = 0.0
                     if self._renew and a.granted_s > 0:  # asked again when a third of the grant is left
                         heapq.heappush(self._renewals, (sent + a.granted_s * 2 / 3, key))
                 elif a.state == "pending" and self._renew:
                     # The decode may know of the request before the prefill engine's hold reaches
                     # its daemon: asked again until it is held, so the pin starts with the lease.
-                    heapq.heappush(self._renewals, (sent + PENDING_RETRY_S, key))
+                    self._retry(key, c, sent, PENDING_RETRY_S, PENDING_RETRY_MAX_S)
             elif self._renew:
-                heapq.heappush(self._renewals, (sent + UNANSWERED_RETRY_S, key))
+                self._retry(key, c, sent, UNANSWERED_RETRY_S, UNANSWERED_RETRY_MAX_S)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+
+    def _retry(self, key: ClaimKey, c: Claim, sent: float, first_s: float, max_s: float) -> None:
+        c.retry_s = min(max(c.retry_s * 2, first_s), max_s)
+        heapq.heappush(self._renewals, (sent + c.retry_s, key))
 
     def _warn(self, host: str, port: int, msg: str) -> None:
         """A refusal, logged at most every WARN_S per peer (a read asks again every RETRY_S)."""

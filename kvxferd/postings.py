@@ -7,7 +7,11 @@
                        while a slice is still being posted)
     release_if_ended() released if it ended (done or failed); False while it still runs
     release()          release one that `ended()` saw DONE (no second state query)
-    timing()           (post seconds, transfer seconds) once DONE; None when not known
+    timing()           NIXL's (post seconds, transfer seconds) once DONE; None when not known
+    ended_at()         monotonic time its end was seen where it ran (a lane: as its post
+                       returned DONE); 0 when not known
+    cancel()           drop it if it was not posted yet (a slice still queued on its lane);
+                       True when dropped (NIXL cannot cancel a posted READ)
     wakes_loop         its end wakes the daemon's loop by itself: a lane's post returns on the
                        loop with the copy done (CMA copies inside the post), so the loop need
                        not spin for it
@@ -31,6 +35,8 @@ class Posting(Protocol):
     def release_if_ended(self) -> bool: ...
     def release(self) -> None: ...
     def timing(self) -> tuple[float, float] | None: ...
+    def ended_at(self) -> float: ...
+    def cancel(self) -> bool: ...
 
 
 class AgentRead:
@@ -60,15 +66,21 @@ class AgentRead:
     def timing(self) -> tuple[float, float] | None:
         return self.nixl.telemetry_of(self.handle)
 
+    def ended_at(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
 
 class Posted:
-    """What a lane's thread returns for a slice: its handle, and how long the post took when
-    the slice was DONE as it returned (the copy ran inside it); 0 when it was not."""
+    """What a lane's thread returns for a slice: its handle, and when (monotonic) its post
+    returned with the slice DONE (the copy ran inside it); 0 when it was not DONE then."""
 
-    __slots__ = ("handle", "seconds")
+    __slots__ = ("done_at", "handle")
 
-    def __init__(self, handle: XferHandle, seconds: float) -> None:
-        self.handle, self.seconds = handle, seconds
+    def __init__(self, handle: XferHandle, done_at: float) -> None:
+        self.handle, self.done_at = handle, done_at
 
 
 class SliceRead:
@@ -81,12 +93,16 @@ class SliceRead:
         self.lane, self.posting = lane, posting
 
     def ended(self) -> bool:
+        if self.posting.cancelled():
+            raise TransferError(f"lane {self.lane.index}: slice cancelled before it was posted")
         if not self.posting.done():
             return False
         posted = self.posting.result()  # re-raises the post's TransferError
         return self.lane.nixl.state(posted.handle) == DONE
 
     def release_if_ended(self) -> bool:
+        if self.posting.cancelled():
+            return True  # never posted
         if not self.posting.done():
             return False
         if self.posting.exception() is not None:
@@ -104,8 +120,13 @@ class SliceRead:
         self.lane.nixl.release(self.posting.result().handle)
 
     def timing(self) -> tuple[float, float] | None:
-        seconds = self.posting.result().seconds
-        return (0.0, seconds) if seconds > 0 else None
+        return None  # lanes run without NIXL telemetry
+
+    def ended_at(self) -> float:
+        return self.posting.result().done_at
+
+    def cancel(self) -> bool:
+        return self.posting.cancel()
 
 
 __all__ = ["AgentRead", "Posted", "Posting", "SliceRead"]

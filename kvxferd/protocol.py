@@ -23,6 +23,7 @@ MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
 Rank = Annotated[int, Meta(ge=0, le=4095)]
 TpSize = Annotated[int, Meta(ge=1, le=4096)]
+MAX_BATCH = 4096  # orders in one batch frame
 Seconds = Annotated[float, Meta(gt=0, le=86400)]
 WaitSeconds = Annotated[float, Meta(ge=0, le=3600)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
@@ -124,7 +125,7 @@ class Expect(Msg, tag="expect"):
 class Batch(Msg, tag="batch"):
     """Protocol 2: several holds and reads in one frame, carried out in order, one result each
     (an engine step's orders in one round trip). Protocol 6 adds expects."""
-    items: Annotated[list[Hold | Read | Expect], Meta(max_length=4096)]
+    items: Annotated[list[Hold | Read | Expect], Meta(max_length=MAX_BATCH)]
 
 
 class Poll(Msg, tag="poll"):

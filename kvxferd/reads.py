@@ -129,6 +129,7 @@ class Transfer:
                                                        self.msg.remote_blocks))
         nbytes = {rank: _bytes_read(plan.peers[rank], lids) for rank, (lids, _) in reads.items()}
         split = self.split = lanes.slices(sum(nbytes.values()))
+        self.posted_at = time.monotonic()  # before the first slice: a lane may end it at once
         self.read_ranks = list(reads)
         ref = self.msg.remote
         expected = route.expected
@@ -162,7 +163,7 @@ class Transfer:
             if not self.running:
                 raise StaleRoute(str(exc)) from exc
             raise
-        self.posted_at = route.peer.used = time.monotonic()  # used: liveness.py's idle clock
+        route.peer.used = time.monotonic()  # liveness.py's idle clock
         return len(plan.targets)
 
     def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str,
@@ -200,14 +201,19 @@ class Transfer:
         self.notify_after = []
 
     def transfer_seconds(self, recorder: Recorder) -> float:
-        """NIXL's own time for the slowest READ (0 when none was timed), recorded per READ.
-        A split read's slices ran side by side: the slowest is the read's time too."""
+        """How long the read took to move, not when the loop noticed (0: not known). NIXL's own
+        time for its slowest READ, recorded per READ; a split read's from its post to the end
+        of its last slice (a lane posts its slices one after another)."""
         slowest = 0.0
         for p in self.postings:
             timing = p.timing()
             if timing:
                 recorder.nixl_timed(*timing)
                 slowest = max(slowest, timing[0] + timing[1])
+        if not slowest and self.postings:
+            ends = [p.ended_at() for p in self.postings]
+            if all(ends):
+                slowest = max(ends) - self.posted_at
         return slowest
 
     @property
@@ -324,6 +330,11 @@ class Reads:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def may_dial(self, host: str, port: int) -> bool:
+        """allowed_peers lets `host` be dialed: by a read, or by the claims an engine's
+        expectation makes (an expectation naming another address claims nothing; its read fails)."""
+        return not self._refused(host, port)
+
     def _refused(self, host: str, port: int) -> str:
         """Why allowed_peers forbids dialing `host`; "" when it may be dialed (or no list is set)."""
         if not self._allowed:
@@ -415,6 +426,10 @@ class Reads:
         if self._leases is not None and t.claims:
             self._leases.release(t.claims, unread=not t.received)
             t.claims = []
+        if t.running:  # failed: slices still queued on a lane are never posted (their blocks are the engine's again)
+            for p in t.postings:
+                p.cancel()
+            t.release_ended()
         if t.running:
             self._quarantine.append(t)
             self._recorder.read_quarantined()

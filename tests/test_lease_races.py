@@ -6,6 +6,7 @@ flood, a refused read's expectation. Each reproduced a wrong `received` or a sta
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from types import SimpleNamespace
@@ -302,3 +303,25 @@ def test_a_worker_that_loses_a_living_daemon_keeps_what_it_may_have_vouched_for(
         w.close()
     finally:
         daemon.stop()
+
+
+def test_a_hold_that_never_comes_is_asked_about_less_and_less():
+    """An expectation naming a request the prefill never holds (any client can name one): its
+    claim is asked again from 50 ms on, backing off to every 2 s, not 20 times a second."""
+    async def main() -> None:
+        asked: list[float] = []
+
+        class Link:
+            async def ask(self, req, timeout_s):
+                asked.append(time.monotonic())
+                return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("pending") for _ in req.claims])
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        leases.expect(("decode", 0), "d-1", RemoteRef("prefill", "10.0.0.1", 5600, 1, "never-held"))
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            leases.renew(time.monotonic())
+            await asyncio.sleep(0.01)
+        gaps = [b - a for a, b in itertools.pairwise(asked)]
+        assert 5 <= len(asked) <= 9, asked  # 0, .05, .15, .35, .75, 1.55, 3.15 s (+ the ticks)
+        assert gaps == sorted(gaps) and gaps[-1] >= 1.0
+    asyncio.run(main())

@@ -109,6 +109,36 @@ def test_a_steps_orders_go_in_one_frame(daemon):
     w.close()
 
 
+def test_a_step_with_more_orders_than_a_frame_holds_sends_several(daemon, monkeypatch):
+    from kvxferd import protocol
+
+    w = make_worker(daemon)
+    sent = spy_calls(w)
+    monkeypatch.setattr(protocol, "MAX_BATCH", 2)
+    w.start(Orders([HoldOrder(f"h{i}", [[i]], 30.0) for i in range(5)], []))
+    assert sent == ["Batch"] * 3
+    assert sorted(h.request for h in daemon_status(daemon).held) == [f"h{i}" for i in range(5)]
+    assert set(w.accepted) == {f"h{i}" for i in range(5)}
+    w.close()
+
+
+def test_a_reconnect_refused_halfway_counts_no_hold_as_the_daemons(daemon):
+    """A reconnect re-holds what the worker holds; when the daemon refuses one of them, none
+    counts as the daemon's to end (the worker frees them when their lease passes: one counted
+    wrongly once kept another hold's blocks for ever)."""
+    import time
+
+    w = make_worker(daemon)
+    with w.lock:  # the watcher thread reconnects under it
+        w._lost(ConnectionError("test: the daemon went away"))
+        now = time.monotonic()
+        w.holds = {"r1": (HoldOrder("r1", [[1]], 30.0), now + 30), "r2": (HoldOrder("r2", [[99]], 30.0), now + 30)}
+        with pytest.raises(RuntimeError, match="registering"):
+            w._connect()  # r1 taken, r2 (block 99 of 16) refused
+        assert w.client is None and not w.accepted
+    w.close()
+
+
 def test_a_refused_hold_is_freed_by_the_worker_after_its_lease(daemon, monkeypatch):
     monkeypatch.setattr(worker_mod, "ORPHAN_GRACE_S", 0.2)
     w = make_worker(daemon)

@@ -85,6 +85,7 @@ class WorkerSide:
         self.accepted: dict[str, float] = {}
         self.daemon_agent = ""  # the daemon instance connected last (a new agent: it restarted)
         self.max_lease_s = 0.0  # the daemon's: how long claims may keep a hold
+        self.poll_again = False  # a poll was refused after the doorbell was drained
         self.reading: dict[str, ReadOrder] = {}
         self.releasing: set[str] = set()
         self.finished = Finished()
@@ -116,13 +117,15 @@ class WorkerSide:
             side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers],
                                    doorbell=True)
             now = time.monotonic()
+            accepted = {}  # the worker's only once every hold is taken (a failure below leaves none)
             for request_id, (order, end) in list(self.holds.items()):
                 if client.agent != self.daemon_agent:  # a new daemon: the old one's claims died with it
                     end = now + order.lease_s if end > now + order.lease_s else end
                     self.holds[request_id] = (order, end)
                 client.hold(order.request_id, max(0.1, min(end - now, client.max_lease_s or end - now)),
                             order.block_ids)
-                self.accepted[order.request_id] = now
+                accepted[order.request_id] = now
+            self.accepted.update(accepted)
             self.daemon_agent, self.max_lease_s = client.agent, client.max_lease_s
         except (OSError, DaemonError) as exc:
             client.close()
@@ -202,11 +205,22 @@ class WorkerSide:
             *((h.request_id, r.hold(h.request_id, h.lease_s, h.block_ids)) for h in holds),
             *((o.request_id, r.read(o.request_id, o.remote, o.num_tokens, o.local_blocks, o.remote_blocks,
                                     self.read_deadline_s)) for o in reads)]
+        for i in range(0, len(sent), P.MAX_BATCH):  # a step with more orders than a frame holds
+            self._send_frame(sent[i:i + P.MAX_BATCH], now)
+
+    def _send_frame(self, sent: list[tuple[str, Order]], now: float) -> None:
+        if self.client is None:  # lost with an earlier frame of this step: `_lost` failed its reads
+            return
         try:
-            outcomes = self.client.batch([order for _, order in sent])
+            outcomes: list[DaemonError | None] = self.client.batch([order for _, order in sent])
         except OSError as exc:
             self._lost(exc)
             return
+        except DaemonError as exc:  # the frame itself refused (its size): every order in it
+            outcomes = [exc] * len(sent)
+        self._settle(sent, outcomes, now)
+
+    def _settle(self, sent: list[tuple[str, Order]], outcomes: list[DaemonError | None], now: float) -> None:
         for (request_id, order), refused in zip(sent, outcomes):
             if refused is None:
                 if isinstance(order, P.Hold):
@@ -241,7 +255,7 @@ class WorkerSide:
         try:
             if self.client.doorbell is None:
                 self._poll(wait_s)
-            elif self.client.rung(wait_s):
+            elif self.client.rung(0.0 if self.poll_again else wait_s) or self.poll_again:
                 self._poll(0.0)
         except OSError as exc:
             self._lost(exc)
@@ -255,7 +269,9 @@ class WorkerSide:
             return
         except DaemonError as exc:
             log.warning("kvxferd poll refused: %s", exc)
+            self.poll_again = True  # the doorbell was drained: it rings again only after a poll
             return
+        self.poll_again = False
         for c in completions:
             if c.status in ("sent", "expired"):
                 self.accepted.pop(c.request_id, None)
@@ -297,8 +313,8 @@ class WorkerSide:
     def _expire_orphaned_holds(self) -> None:
         """Holds whose lease passed without the daemon ending them (no daemon connected, or it
         refused the hold): free them here, so no block is held forever."""
-        if self.client is not None and len(self.accepted) == len(self.holds):
-            return  # every hold is the connected daemon's to end (accepted is a subset of holds)
+        if self.client is not None and self.accepted.keys() >= self.holds.keys():
+            return  # every hold is the connected daemon's to end
         now = time.monotonic()
         grace = 0.0 if self.client is None else ORPHAN_GRACE_S
         for request_id, (_, end) in list(self.holds.items()):
@@ -306,6 +322,7 @@ class WorkerSide:
                 continue  # the daemon ends it, at its lease or when the last claim on it passes
             if now >= end + grace:
                 del self.holds[request_id]
+                self.accepted.pop(request_id, None)
                 self.finished.sending.add(request_id)
                 self.stats.expired += 1
                 log.warning("kvxferd: request %s's lease passed with no word from the daemon; blocks freed",
