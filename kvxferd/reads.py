@@ -183,6 +183,11 @@ class Transfer:
         """Release the READs that ended (done or failed); keep the ones still running."""
         self.postings = [p for p in self.postings if not p.release_if_ended()]
 
+    def cancel_queued(self) -> None:
+        """Drop the slices still queued on a lane (never posted): a read that ended must not
+        write into blocks its engine has back. What NIXL runs already stays (quarantined)."""
+        self.postings = [p for p in self.postings if not p.cancel()]
+
     def release_all(self) -> None:
         """Release every READ: all DONE, as `poll` just saw (no second state query)."""
         for p in self.postings:
@@ -426,10 +431,7 @@ class Reads:
         if self._leases is not None and t.claims:
             self._leases.release(t.claims, unread=not t.received)
             t.claims = []
-        if t.running:  # failed: slices still queued on a lane are never posted (their blocks are the engine's again)
-            for p in t.postings:
-                p.cancel()
-            t.release_ended()
+        t.cancel_queued()
         if t.running:
             self._quarantine.append(t)
             self._recorder.read_quarantined()
@@ -600,7 +602,9 @@ class Reads:
                 return
             self._deliver(t)
         elif now >= t.deadline:
-            self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; memory quarantined")
+            t.cancel_queued()
+            self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; " +
+                       ("memory quarantined" if t.running else "nothing was posted yet"))
 
     @property
     def busy(self) -> bool:
