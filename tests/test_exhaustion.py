@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -247,9 +248,9 @@ def test_connections_per_uid_are_capped(tmp_path):
         daemon.stop()
 
 
-def as_user(socket_path: str, gid: int, uid: int) -> str:
-    """What the daemon answers a client running as uid:gid (a forked child: the interpreter's
-    files need not be readable by that user)."""
+def _answer_as(gid: int, uid: int, ask: Callable[[], None]) -> str:
+    """What the daemon answers `ask` run in a forked child as uid:gid (the interpreter's files
+    need not be readable by that user): "served", the refusal's code, or the OS error."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child)
@@ -258,7 +259,7 @@ def as_user(socket_path: str, gid: int, uid: int) -> str:
             os.setgid(gid)
             os.setuid(uid)
             try:
-                Client(socket_path, 10).status()
+                ask()
                 answer = "served"
             except DaemonError as exc:
                 answer = exc.code
@@ -272,35 +273,22 @@ def as_user(socket_path: str, gid: int, uid: int) -> str:
         answer = f.read()
     os.waitpid(pid, 0)
     return answer
+
+
+def as_user(socket_path: str, gid: int, uid: int) -> str:
+    """What the daemon answers a client running as uid:gid."""
+    return _answer_as(gid, uid, lambda: Client(socket_path, 10).status())
 
 
 def as_user_register(socket_path: str, gid: int, uid: int, engine: str, rank: int, tp_size: int) -> str:
-    """What the daemon answers a registration from a client running as uid:gid (forked)."""
+    """What the daemon answers a registration from a client running as uid:gid."""
     geo = build(SHAPE, tp_size, rank)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            fd, _mapping = create_shm(geo.buffers[0])
-            try:
-                with EngineClient(socket_path, engine, rank, tp_size) as c:
-                    c.register(geo, shm_fds=[fd])
-                answer = "served"
-            except DaemonError as exc:
-                answer = exc.code
-            except OSError as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-            os.write(w, answer.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        answer = f.read()
-    os.waitpid(pid, 0)
-    return answer
+
+    def register() -> None:
+        fd, _mapping = create_shm(geo.buffers[0])
+        with EngineClient(socket_path, engine, rank, tp_size) as c:
+            c.register(geo, shm_fds=[fd])
+    return _answer_as(gid, uid, register)
 
 
 def test_socket_group_members_connect_without_allowed_uids():
