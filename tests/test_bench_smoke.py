@@ -7,7 +7,7 @@ from kvxferd.benchmarks import control, dataplane, handshake, plan, step
 
 
 def test_bench_data_runs():
-    (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=1, lane_split_bytes=1 << 20)
+    (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=2, lane_split_bytes=1 << 20)
     assert row["descriptors"] == 128
     assert all(row[k] > 0 for k in ("kvxferd_gb_s", "lanes_gb_s", "raw_nixl_gb_s", "memcpy_gb_s", "memcpy2_gb_s",
                                     "kvxferd_over_raw", "lanes_over_raw"))

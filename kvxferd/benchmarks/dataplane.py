@@ -17,6 +17,7 @@ size (HND, one KV head whose page is exactly the page size), TP 1 -> 1.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import time
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+_runs = itertools.count()
 
 
 def shape_for(page: int, blocks: int) -> ModelShape:
@@ -167,15 +169,19 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
                     device: str = "cpu") -> tuple[list[float], list[float]]:
     """Per request: (read call -> completion in the engine, read call -> its `ok` reply)."""
     shape = shape_for(page, n)
-    p = BenchEngine(sockets[0], f"p{page}", build(shape, 1, 0), device=device)
-    d = BenchEngine(sockets[1], f"d{page}", build(shape, 1, 0), device=device)
+    # Each round's engines are new engines, with ids of their own (as vLLM's are at each start):
+    # a registration under an id a daemon served before is a restart, its routes retired.
+    run = next(_runs)
+    prefill_id = f"p{page}-{run}"
+    p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device)
+    d = BenchEngine(sockets[1], f"d{page}-{run}", build(shape, 1, 0), device=device)
     try:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
         times: list[float] = []
         acks: list[float] = []
         for i in range(repeats + 2):
-            remote = RemoteRef(f"p{page}", host, int(port), 1, f"r{i}")
+            remote = RemoteRef(prefill_id, host, int(port), 1, f"r{i}")
             p.client.hold(f"r{i}", 300.0, blocks)  # what a prefill does first (untimed)
             t0 = time.perf_counter()
             d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
