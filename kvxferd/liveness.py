@@ -4,7 +4,8 @@
         registered, same epoch (or a daemon before probes: epoch unknown) -> heard from
         registered, another epoch      -> retire "restarted"    (the engine registered again: other memory)
         not registered                 -> retire "engine_gone"
-        no answer                      -> nothing yet; none for peer_dead_after_s -> retire "silent"
+        no answer                      -> nothing yet; none for peer_dead_after_s since the first
+                                          unanswered probe was sent -> retire "silent"
     no read posted to it for peer_idle_ttl_s (0: never), none in flight -> retire "idle"
 
 Only the side channel counts as a sign of life: a READ that completes says the NIXL agent is
@@ -43,14 +44,15 @@ class Liveness:
     def tick(self, now: float) -> None:
         """Retire the peers found gone; probe the ones due (the daemon's housekeeping calls this)."""
         for peer in self._peers.ready():
-            if now - peer.heard > self._dead_after_s:
-                self._peers.retire(peer, f"its side channel has not answered for {now - peer.heard:.1f} s "
+            if peer.asked and now - peer.asked > self._dead_after_s:
+                self._peers.retire(peer, f"its side channel has not answered probes for {now - peer.asked:.1f} s "
                                          f"(peer_dead_after_s {self._dead_after_s:g})", "silent")
             elif self._idle_ttl_s and now - peer.used > self._idle_ttl_s and not self._in_use(peer):
                 self._peers.retire(peer, f"no read for {now - peer.used:.0f} s (peer_idle_ttl_s "
                                          f"{self._idle_ttl_s:g})", "idle")
             elif not peer.probing and now - peer.probed >= self._interval_s:
                 peer.probing, peer.probed = True, now
+                peer.asked = peer.asked or now
                 task = asyncio.get_running_loop().create_task(self._probe(peer))
                 self._probes.add(task)
                 task.add_done_callback(self._probes.discard)
@@ -74,7 +76,7 @@ class Liveness:
             self._peers.retire(peer, f"registered again (epoch {reply.epoch}, was {peer.epoch})", "restarted")
         else:  # registered as we knew it; or a daemon that cannot say (before probes): alive all the same
             self._recorder.peer_probed("alive" if reply.ok and reply.epoch else "epoch_unknown")
-            peer.heard = time.monotonic()
+            peer.heard, peer.asked = time.monotonic(), 0.0
 
     async def close(self) -> None:
         for task in self._probes:

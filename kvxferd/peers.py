@@ -85,6 +85,10 @@ class Peer:
     heard: float = 0.0  # monotonic: its side channel last answered (handshake, probe)
     used: float = 0.0  # monotonic: a read was last posted to it (reads.Transfer.post), or the handshake
     probed: float = 0.0  # monotonic: the last probe began (liveness.py)
+    # monotonic: the first probe sent since it last answered (0: every probe sent was answered).
+    # Silence counts from here, not from `heard`: a daemon that was paused (SIGSTOP, a frozen
+    # container) has asked nothing meanwhile, and its peers are not silent for that.
+    asked: float = 0.0
     probing: bool = False
     retired: bool = False
     reason: RetireReason | None = None  # why it was retired

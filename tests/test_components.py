@@ -492,7 +492,25 @@ async def test_silent_and_idle_peers_are_retired_and_busy_ones_kept(w: World) ->
     assert (peer.retired, peer.reason) == (True, "idle")
     await read_ok(w, w.prefill, "r2", 2, 37)
     peer = peer_of(w, "prefill")
-    peer.probed = time.monotonic()
-    liveness.tick(peer.heard + 30.5)
+    peer.probed = peer.asked = time.monotonic()  # a probe went out, and none has answered since
+    liveness.tick(peer.asked + 30.5)
     assert (peer.retired, peer.reason) == (True, "silent")
     assert w.decode.recorder.counters.peers_retired == 2
+
+
+@in_world
+async def test_a_daemon_resumed_after_a_pause_probes_its_peers_before_calling_them_silent(w: World) -> None:
+    """A daemon stopped for longer than peer_dead_after_s (SIGSTOP, a frozen container) last
+    heard its peers long ago, but asked them nothing meanwhile: it probes them first, and they
+    answer."""
+    await read_ok(w, w.prefill, "r0", 0, 37)
+    peer = peer_of(w, "prefill")
+    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer)
+    resumed = peer.heard + 150.0  # as the daemon's clock reads when it runs again
+    liveness.tick(resumed)
+    assert not peer.retired and peer.probing and peer.asked == resumed
+    await probed(w, liveness, peer)
+    assert not peer.retired and peer.asked == 0.0
+    liveness.tick(resumed + 31.0)  # answered: however long ago it was heard, nothing is out
+    assert not peer.retired
+    await liveness.close()

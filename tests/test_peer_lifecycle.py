@@ -138,6 +138,29 @@ def test_a_silent_peer_daemon_is_retired_and_read_anew_once_back(monkeypatch):
         assert c.status(1).counters.handshakes == 2
 
 
+def test_a_decode_daemon_paused_past_the_deadline_keeps_its_peers(monkeypatch):
+    """The decode daemon itself stopped (SIGSTOP, a frozen container) for longer than
+    peer_dead_after_s: it asked its peers nothing meanwhile, so on waking it probes them rather
+    than retiring them; the next read needs no new handshake."""
+    liveness(monkeypatch, dead_after_s=1.0)
+    with Cluster(SHAPE, 2, 4, metrics=True) as c:
+        read(c, c.prefill, 0)
+        decode = c.daemons[1].proc
+        alive = metrics(c, 1).get('kvxferd_peer_probes_total{outcome="alive"}', 0)
+        os.kill(decode.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)
+        finally:
+            os.kill(decode.pid, signal.SIGCONT)
+        wait_until("a probe answered since the pause",
+                   lambda: metrics(c, 1).get('kvxferd_peer_probes_total{outcome="alive"}', 0) > alive, 5, 0.05)
+        time.sleep(1.5)  # past peer_dead_after_s after waking, probes answered all along
+        assert peers(c) == [("prefill", "ready")]
+        read(c, c.prefill, 1)
+        st = c.status(1)
+        assert st.counters.handshakes == 1 and st.counters.peers_retired == 0
+
+
 def test_an_idle_peer_is_evicted_and_read_anew(monkeypatch):
     liveness(monkeypatch, idle_ttl_s=1.0)
     with Cluster(SHAPE, 2, 4, metrics=True) as c:
