@@ -4,8 +4,9 @@
         registered, same epoch (or a daemon before probes: epoch unknown) -> heard from
         registered, another epoch      -> retire "restarted"    (the engine registered again: other memory)
         not registered                 -> retire "engine_gone"
-        no answer                      -> nothing yet; none for peer_dead_after_s since the first
-                                          unanswered probe was sent -> retire "silent"
+        no answer                      -> nothing yet; none for peer_dead_after_s -> retire "silent"
+    (silence counts the daemon's own running time: one that was paused, SIGSTOP or a frozen
+    container, heard nothing because it asked nothing, and probes before it judges)
     no read posted to it for peer_idle_ttl_s (0: never), none in flight -> retire "idle"
 
 Only the side channel counts as a sign of life: a READ that completes says the NIXL agent is
@@ -29,6 +30,8 @@ from .recorder import Recorder
 
 log = logging.getLogger("kvxferd")
 
+STALL_S = 1.0  # a gap between two ticks longer than this: the daemon itself did not run
+
 
 class Liveness:
     def __init__(self, peers: Peers, recorder: Recorder, interval_s: float, dead_after_s: float,
@@ -40,19 +43,23 @@ class Liveness:
         self._idle_ttl_s = idle_ttl_s  # 0: peers are never evicted for idleness
         self._in_use = in_use  # reads (in flight or quarantined) on the peer's routes
         self._probes: set[asyncio.Task[None]] = set()
+        self._ticked = 0.0  # monotonic: the last tick
 
     def tick(self, now: float) -> None:
         """Retire the peers found gone; probe the ones due (the daemon's housekeeping calls this)."""
+        stalled = now - self._ticked if self._ticked else 0.0
+        self._ticked = now
         for peer in self._peers.ready():
-            if peer.asked and now - peer.asked > self._dead_after_s:
-                self._peers.retire(peer, f"its side channel has not answered probes for {now - peer.asked:.1f} s "
+            if stalled > STALL_S:  # time this daemon did not run is nobody's silence
+                peer.heard = min(peer.heard + stalled, now)
+            if now - peer.heard > self._dead_after_s:
+                self._peers.retire(peer, f"its side channel has not answered for {now - peer.heard:.1f} s "
                                          f"(peer_dead_after_s {self._dead_after_s:g})", "silent")
             elif self._idle_ttl_s and now - peer.used > self._idle_ttl_s and not self._in_use(peer):
                 self._peers.retire(peer, f"no read for {now - peer.used:.0f} s (peer_idle_ttl_s "
                                          f"{self._idle_ttl_s:g})", "idle")
             elif not peer.probing and now - peer.probed >= self._interval_s:
                 peer.probing, peer.probed = True, now
-                peer.asked = peer.asked or now
                 task = asyncio.get_running_loop().create_task(self._probe(peer))
                 self._probes.add(task)
                 task.add_done_callback(self._probes.discard)
@@ -76,7 +83,7 @@ class Liveness:
             self._peers.retire(peer, f"registered again (epoch {reply.epoch}, was {peer.epoch})", "restarted")
         else:  # registered as we knew it; or a daemon that cannot say (before probes): alive all the same
             self._recorder.peer_probed("alive" if reply.ok and reply.epoch else "epoch_unknown")
-            peer.heard, peer.asked = time.monotonic(), 0.0
+            peer.heard = time.monotonic()
 
     async def close(self) -> None:
         for task in self._probes:

@@ -82,13 +82,11 @@ class Peer:
     since: float = 0.0  # wall time of the handshake
     handshake_s: float = 0.0
     epoch: str = ""  # the engine's registration, from the handshake ("": a daemon before epochs)
-    heard: float = 0.0  # monotonic: its side channel last answered (handshake, probe)
+    # monotonic: its side channel last answered (handshake, probe), moved on by any time this
+    # daemon itself did not run (liveness.py)
+    heard: float = 0.0
     used: float = 0.0  # monotonic: a read was last posted to it (reads.Transfer.post), or the handshake
     probed: float = 0.0  # monotonic: the last probe began (liveness.py)
-    # monotonic: the first probe sent since it last answered (0: every probe sent was answered).
-    # Silence counts from here, not from `heard`: a daemon that was paused (SIGSTOP, a frozen
-    # container) has asked nothing meanwhile, and its peers are not silent for that.
-    asked: float = 0.0
     probing: bool = False
     retired: bool = False
     reason: RetireReason | None = None  # why it was retired

@@ -492,8 +492,9 @@ async def test_silent_and_idle_peers_are_retired_and_busy_ones_kept(w: World) ->
     assert (peer.retired, peer.reason) == (True, "idle")
     await read_ok(w, w.prefill, "r2", 2, 37)
     peer = peer_of(w, "prefill")
-    peer.probed = peer.asked = time.monotonic()  # a probe went out, and none has answered since
-    liveness.tick(peer.asked + 30.5)
+    peer.probed = peer.heard
+    for t in range(62):  # 30.5 s of the daemon running (ticks 0.5 s apart) without an answer
+        liveness.tick(peer.heard + 0.5 * t)
     assert (peer.retired, peer.reason) == (True, "silent")
     assert w.decode.recorder.counters.peers_retired == 2
 
@@ -501,16 +502,18 @@ async def test_silent_and_idle_peers_are_retired_and_busy_ones_kept(w: World) ->
 @in_world
 async def test_a_daemon_resumed_after_a_pause_probes_its_peers_before_calling_them_silent(w: World) -> None:
     """A daemon stopped for longer than peer_dead_after_s (SIGSTOP, a frozen container) last
-    heard its peers long ago, but asked them nothing meanwhile: it probes them first, and they
-    answer."""
+    heard its peers long ago, but asked them nothing meanwhile: it probes them first, and one
+    that stays unanswered is silent once the daemon has run peer_dead_after_s."""
     await read_ok(w, w.prefill, "r0", 0, 37)
     peer = peer_of(w, "prefill")
     liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer)
-    resumed = peer.heard + 150.0  # as the daemon's clock reads when it runs again
-    liveness.tick(resumed)
-    assert not peer.retired and peer.probing and peer.asked == resumed
-    await probed(w, liveness, peer)
-    assert not peer.retired and peer.asked == 0.0
-    liveness.tick(resumed + 31.0)  # answered: however long ago it was heard, nothing is out
-    assert not peer.retired
+    heard = peer.heard
+    liveness.tick(heard + 5.0)
+    assert not peer.retired and not peer.probing
+    liveness.tick(heard + 155.0)  # the next tick, as the daemon's clock reads when it runs again
+    assert not peer.retired and peer.probing  # silent 5 s of its running time, and asked now
+    assert heard + 150.0 <= peer.heard <= heard + 155.0
+    for t in range(1, 60):  # had it stayed unanswered: silent once the daemon ran 30 s more
+        liveness.tick(heard + 155.0 + 0.5 * t)
+    assert (peer.retired, peer.reason) == (True, "silent")
     await liveness.close()

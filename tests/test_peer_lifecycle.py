@@ -142,19 +142,19 @@ def test_a_decode_daemon_paused_past_the_deadline_keeps_its_peers(monkeypatch):
     """The decode daemon itself stopped (SIGSTOP, a frozen container) for longer than
     peer_dead_after_s: it asked its peers nothing meanwhile, so on waking it probes them rather
     than retiring them; the next read needs no new handshake."""
-    liveness(monkeypatch, dead_after_s=1.0)
+    liveness(monkeypatch, dead_after_s=2.0)
     with Cluster(SHAPE, 2, 4, metrics=True) as c:
         read(c, c.prefill, 0)
         decode = c.daemons[1].proc
         alive = metrics(c, 1).get('kvxferd_peer_probes_total{outcome="alive"}', 0)
-        os.kill(decode.pid, signal.SIGSTOP)
+        os.kill(decode.pid, signal.SIGSTOP)  # a probe may be out: its answer waits, or it times out
         try:
-            time.sleep(2.5)
+            time.sleep(4.5)
         finally:
             os.kill(decode.pid, signal.SIGCONT)
         wait_until("a probe answered since the pause",
                    lambda: metrics(c, 1).get('kvxferd_peer_probes_total{outcome="alive"}', 0) > alive, 5, 0.05)
-        time.sleep(1.5)  # past peer_dead_after_s after waking, probes answered all along
+        time.sleep(2.5)  # past peer_dead_after_s after waking, probes answered all along
         assert peers(c) == [("prefill", "ready")]
         read(c, c.prefill, 1)
         st = c.status(1)
