@@ -125,9 +125,14 @@ def test_partition_that_does_not_heal(lab, cluster):
     elapsed = time.monotonic() - t0
     assert len(outcomes) == 4 and elapsed < 4.0 + 1.5, (elapsed, outcomes)
     assert all(o[0] == "failed" and o[1] == local and o[2].startswith("deadline") for o in outcomes), outcomes
-    # UCX cannot cancel a READ: while the peer is unreachable its memory stays quarantined
+    # UCX cannot cancel a READ: while the peer is unreachable its memory stays quarantined. A rank
+    # whose slices all still waited on a lane (behind a post the partition holds up) was never
+    # posted: its slices are dropped, and its memory is its engine's again at once.
+    posted = [o for o in outcomes if o[2].endswith("memory quarantined")]
+    assert posted and all(o in posted or o[2].endswith("nothing was posted yet") for o in outcomes), outcomes
     st = c.status(1)
-    assert st.quarantined == 4 and [e.pinned for e in st.engines] == [1] * 4, st
+    assert st.quarantined == len(posted), st
+    assert sorted(e.pinned for e in st.engines) == [0] * (4 - len(posted)) + [1] * len(posted), st
     assert c.prefill.wait_released(1, 10) == ["expired", "expired"]  # the lease and the claim passed
     c.prefill.free(blocks)
     c.decode.free(c.decode.drop(1))
@@ -137,7 +142,7 @@ def test_partition_that_does_not_heal(lab, cluster):
     assert out["status"] == "failed" and out["latency_s"] < 2.0 + 1.0 and out["block_ids"], out
     c.prefill.wait_released(2, 10)
     c.prefill.free(blocks)
-    assert c.status(1).quarantined == 8  # its READs were posted on the cached connection: quarantined too
+    assert c.status(1).quarantined == len(posted) + 4  # posted whole on the cached connection: quarantined too
     lab.partition(False)  # the network comes back: TCP retransmits, the quarantined READs end
     wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined READs to end once the network is back")
     received(c, 3, 500)
