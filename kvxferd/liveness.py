@@ -30,12 +30,16 @@ from .recorder import Recorder
 
 log = logging.getLogger("kvxferd")
 
-STALL_S = 1.0  # a gap between two ticks longer than this: the daemon itself did not run
+# Between two ticks, wall time the loop thread spent off the CPU beyond this: the daemon itself
+# was not running (SIGSTOP, a frozen cgroup, starved). A loop held up by work it does itself (a
+# CMA copy inside a READ's post) burns CPU meanwhile, and its peers' silence counts.
+PAUSE_S = 1.0
 
 
 class Liveness:
     def __init__(self, peers: Peers, recorder: Recorder, interval_s: float, dead_after_s: float,
-                 idle_ttl_s: float, in_use: Callable[[Peer], int]) -> None:
+                 idle_ttl_s: float, in_use: Callable[[Peer], int],
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self._peers = peers
         self._recorder = recorder
         self._interval_s = interval_s
@@ -43,15 +47,19 @@ class Liveness:
         self._idle_ttl_s = idle_ttl_s  # 0: peers are never evicted for idleness
         self._in_use = in_use  # reads (in flight or quarantined) on the peer's routes
         self._probes: set[asyncio.Task[None]] = set()
-        self._ticked = 0.0  # monotonic: the last tick
+        self._cpu_clock = cpu_clock  # the loop thread's CPU time (the daemon's housekeeping calls tick)
+        self._ticked: tuple[float, float] | None = None  # (monotonic, loop thread CPU) at the last tick
 
     def tick(self, now: float) -> None:
         """Retire the peers found gone; probe the ones due (the daemon's housekeeping calls this)."""
-        stalled = now - self._ticked if self._ticked else 0.0
-        self._ticked = now
+        cpu = self._cpu_clock()
+        paused = 0.0
+        if self._ticked is not None:
+            paused = (now - self._ticked[0]) - (cpu - self._ticked[1])
+        self._ticked = now, cpu
         for peer in self._peers.ready():
-            if stalled > STALL_S:  # time this daemon did not run is nobody's silence
-                peer.heard = min(peer.heard + stalled, now)
+            if paused > PAUSE_S:  # time this daemon did not run is nobody's silence
+                peer.heard = min(peer.heard + paused, now)
             if now - peer.heard > self._dead_after_s:
                 self._peers.retire(peer, f"its side channel has not answered for {now - peer.heard:.1f} s "
                                          f"(peer_dead_after_s {self._dead_after_s:g})", "silent")

@@ -603,6 +603,7 @@ class Reads:
             self._deliver(t)
         elif now >= t.deadline:
             t.cancel_queued()
+            t.release_ended()  # what ended meanwhile quarantines nothing
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; " +
                        ("memory quarantined" if t.running else "nothing was posted yet"))
 

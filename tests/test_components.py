@@ -497,6 +497,7 @@ async def test_silent_and_idle_peers_are_retired_and_busy_ones_kept(w: World) ->
         liveness.tick(peer.heard + 0.5 * t)
     assert (peer.retired, peer.reason) == (True, "silent")
     assert w.decode.recorder.counters.peers_retired == 2
+    await liveness.close()
 
 
 @in_world
@@ -506,7 +507,8 @@ async def test_a_daemon_resumed_after_a_pause_probes_its_peers_before_calling_th
     that stays unanswered is silent once the daemon has run peer_dead_after_s."""
     await read_ok(w, w.prefill, "r0", 0, 37)
     peer = peer_of(w, "prefill")
-    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer)
+    cpu = [0.0]  # the loop thread's CPU time: nothing runs while the daemon is stopped
+    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer, lambda: cpu[0])
     heard = peer.heard
     liveness.tick(heard + 5.0)
     assert not peer.retired and not peer.probing
@@ -515,5 +517,21 @@ async def test_a_daemon_resumed_after_a_pause_probes_its_peers_before_calling_th
     assert heard + 150.0 <= peer.heard <= heard + 155.0
     for t in range(1, 60):  # had it stayed unanswered: silent once the daemon ran 30 s more
         liveness.tick(heard + 155.0 + 0.5 * t)
+    assert (peer.retired, peer.reason) == (True, "silent")
+    await liveness.close()
+
+
+@in_world
+async def test_a_loop_held_up_by_its_own_work_still_finds_a_silent_peer(w: World) -> None:
+    """Ticks 1.5 s apart because the loop itself was busy (a CMA copy inside a READ's post burns
+    its CPU): that is no pause, and a peer that never answers is silent after peer_dead_after_s."""
+    await read_ok(w, w.prefill, "r0", 0, 37)
+    peer = peer_of(w, "prefill")
+    cpu = [0.0]
+    liveness = Liveness(w.peers, w.decode.recorder, 10.0, 30.0, 0.0, w.reads.uses_peer, lambda: cpu[0])
+    heard = peer.heard
+    for t in range(1, 22):
+        cpu[0] += 1.45  # busy for nearly all of each gap
+        liveness.tick(heard + 1.5 * t)
     assert (peer.retired, peer.reason) == (True, "silent")
     await liveness.close()
