@@ -183,10 +183,11 @@ class Transfer:
         """Release the READs that ended (done or failed); keep the ones still running."""
         self.postings = [p for p in self.postings if not p.release_if_ended()]
 
-    def cancel_queued(self) -> None:
-        """Drop the slices still queued on a lane (never posted): a read that ended must not
-        write into blocks its engine has back. What NIXL runs already stays (quarantined)."""
-        self.postings = [p for p in self.postings if not p.cancel()]
+    def settle(self) -> None:
+        """A read that ends: drop the slices still queued on a lane (never posted: it must not
+        write into blocks its engine has back) and release the READs that ended. What NIXL
+        still runs stays (quarantined)."""
+        self.postings = [p for p in self.postings if not p.cancel() and not p.release_if_ended()]
 
     def release_all(self) -> None:
         """Release every READ: all DONE, as `poll` just saw (no second state query)."""
@@ -431,7 +432,7 @@ class Reads:
         if self._leases is not None and t.claims:
             self._leases.release(t.claims, unread=not t.received)
             t.claims = []
-        t.cancel_queued()
+        t.settle()
         if t.running:
             self._quarantine.append(t)
             self._recorder.read_quarantined()
@@ -602,8 +603,7 @@ class Reads:
                 return
             self._deliver(t)
         elif now >= t.deadline:
-            t.cancel_queued()
-            t.release_ended()  # what ended meanwhile quarantines nothing
+            t.settle()  # before the reason says whether anything is left running
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; " +
                        ("memory quarantined" if t.running else "nothing was posted yet"))
 

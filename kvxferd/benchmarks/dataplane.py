@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
-_runs = itertools.count()
+_engine_pairs = itertools.count()  # through_kvxferd's, numbered
 
 
 def shape_for(page: int, blocks: int) -> ModelShape:
@@ -171,10 +171,10 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
     shape = shape_for(page, n)
     # Each round's engines are new engines, with ids of their own (as vLLM's are at each start):
     # a registration under an id a daemon served before is a restart, its routes retired.
-    run = next(_runs)
-    prefill_id = f"p{page}-{run}"
+    engines = next(_engine_pairs)
+    prefill_id = f"p{page}-{engines}"
     p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device)
-    d = BenchEngine(sockets[1], f"d{page}-{run}", build(shape, 1, 0), device=device)
+    d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device)
     try:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
