@@ -54,7 +54,7 @@ class World:
         busy = ["--max-num-seqs", "1", "--num-gpu-blocks-override", str(DECODE_BLOCKS),
                 "--max-model-len", str((DECODE_BLOCKS - 1) * 32)]  # vLLM keeps one block back
         self.servers = [
-            ref := VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind"),
+            ref := VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind", worker_in_engine=True),
             p := VllmServer(workdir, "prefill", model, role="kv_producer", socket=self.pd.socket,
                             extra_config={"lease_s": LEASE_S}, **common),
             on := VllmServer(workdir, "decode-renewing", model, role="kv_consumer", socket=self.d_on.socket,

@@ -91,6 +91,10 @@ class VllmServer:
     failure_policy: str = "recompute"
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
+    # TP 1 only: the model worker runs inside the engine core's process (the `uni` executor), two
+    # processes where vLLM's default is three, each importing torch and vLLM (~15 s of CPU here).
+    # The connector's scheduler and worker halves then share a process.
+    worker_in_engine: bool = False
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -105,6 +109,14 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND=self.cores, PYTHONUNBUFFERED="1", **self.env)
+        if self.worker_in_engine:
+            if self.tp != 1:
+                raise LaunchError(f"vLLM {self.name}: a worker inside the engine core serves TP 1 only "
+                                  f"(tp={self.tp})")
+            cmd += ["--distributed-executor-backend", "uni"]
+            # vLLM's CPU platform turns `uni` into `mp` unless this is off; the API server still
+            # runs its engine core in a process of its own
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.cores == "nobind":
             env.setdefault("OMP_NUM_THREADS", "1")
         self.log = open(self.log_path, "a")  # noqa: SIM115  (the server's stdout for its lifetime; closed in stop())

@@ -133,6 +133,18 @@ class EngineProcess:
             self.proc.kill()
 
 
+def thread_states(pid: int) -> str:
+    """Each thread's state and kernel wait channel, from /proc (for a process that will not exit)."""
+    states = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            state = next(line for line in (task / "status").read_text().splitlines() if line.startswith("State:"))
+            states.append(f"{task.name} {state.split(None, 1)[1]} {(task / 'wchan').read_text()}")
+        except (OSError, StopIteration):
+            continue
+    return "; ".join(states) or "none readable"
+
+
 def stop_process(proc: subprocess.Popen[bytes], log: IO[str]) -> None:
     """SIGTERM, then SIGKILL after 10 s; close its log."""
     if proc.poll() is None:
@@ -188,9 +200,15 @@ class DaemonProcess:
         return address
 
     def kill(self) -> None:
-        """SIGKILL: no goodbye to peers or engines."""
+        """SIGKILL: no goodbye to peers or engines. The process is gone once every thread has left
+        the kernel; on a loaded machine that has taken over 10 s, so wait longer and, if it still
+        lingers, say where its threads are."""
         self.proc.kill()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise DemoError(f"daemon {self.name} (pid {self.proc.pid}) still running 60 s after SIGKILL; "
+                            f"its threads: {thread_states(self.proc.pid)}") from None
 
     def stop(self) -> None:
         stop_process(self.proc, self.log)
