@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 def pair(tmp_path_factory):
     wd = tmp_path_factory.mktemp("vllm-bf16")
     pd, dd = DaemonProcess(wd, "p-daemon"), DaemonProcess(wd, "d-daemon")
-    ref = VllmServer(wd, "single", model(0), cores="0", worker_in_engine=True)
+    ref = VllmServer(wd, "single", model(0), cores="nobind", worker_in_engine=True)
     p = VllmServer(wd, "prefill", model(0), role="kv_producer", connector="kvxferd", socket=pd.socket, cores="0")
     d = VllmServer(wd, "decode", model(0), role="kv_consumer", connector="kvxferd", socket=dd.socket, cores="1")
     start(ref, p, d)

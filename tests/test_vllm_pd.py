@@ -39,7 +39,7 @@ class World:
         self.d_daemon = DaemonProcess(workdir, "d-daemon", metrics_port=0,
                                       extra=["--handshake-timeout", "30"])
         m = model(0)
-        self.ref = VllmServer(workdir, "single", m, cores="0", dtype=DTYPE, worker_in_engine=True)
+        self.ref = VllmServer(workdir, "single", m, cores="nobind", dtype=DTYPE, worker_in_engine=True)
         self.p = VllmServer(workdir, "prefill", m, role="kv_producer", connector="kvxferd", dtype=DTYPE,
                             socket=self.p_daemon.socket, cores="0", extra_config={"lease_s": LEASE_S})
         self.d = VllmServer(workdir, "decode", m, role="kv_consumer", connector="kvxferd", dtype=DTYPE,

@@ -83,7 +83,9 @@ class VllmServer:
     socket: str = ""  # kvxferd daemon socket
     tp: int = 1
     dtype: str = "bfloat16"
-    cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2; "nobind": one unpinned thread
+    # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2; "nobind": one unpinned thread (the only
+    # choice with worker_in_engine: vLLM binds threads only for workers it starts as processes)
+    cores: str = "0"
     block_size: int = 32
     prefix_caching: bool = True
     args: list[str] = field(default_factory=list)  # more `vllm serve` flags
@@ -110,9 +112,9 @@ class VllmServer:
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND=self.cores, PYTHONUNBUFFERED="1", **self.env)
         if self.worker_in_engine:
-            if self.tp != 1:
-                raise LaunchError(f"vLLM {self.name}: a worker inside the engine core serves TP 1 only "
-                                  f"(tp={self.tp})")
+            if self.tp != 1 or self.cores != "nobind":
+                raise LaunchError(f"vLLM {self.name}: a worker inside the engine core serves TP 1 on one "
+                                  f"unpinned thread only (tp={self.tp}, cores={self.cores!r})")
             cmd += ["--distributed-executor-backend", "uni"]
             # vLLM's CPU platform turns `uni` into `mp` unless this is off; the API server still
             # runs its engine core in a process of its own
