@@ -134,11 +134,18 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         from .registration import register_worker
         register_worker(self.worker, self._vllm_config, self._kv_cache_config, kv_caches, self.options)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's orders leave here, before the forward. vLLM 0.32 calls `start_load_kv` after
+        the forward for asynchronous loads; on CPU the forward is synchronous, so the holds of the
+        requests the last step answered would wait out this step's whole forward (a batch of
+        prefills: over a second), and a decode's reads with them."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            assert isinstance(connector_metadata, KvxferdMetadata)
+            self.worker.start(connector_metadata.orders())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvxferdMetadata)
-        self.worker.start(meta.orders())
+        return  # the step's orders left in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # reads are asynchronous: vLLM waits for finished_recving instead
