@@ -89,6 +89,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
             from .worker import WorkerSide
             self.worker = WorkerSide(self.options.socket, self.engine_id, get_tensor_model_parallel_rank(),
                                      self.tp_size, self.options.read_deadline_s, self.options.idle_wait_ms / 1e3)
+        # When a step's orders leave (see bind_connector_metadata): before a CPU forward, which runs
+        # to its end before vLLM calls start_load_kv; after a GPU forward is launched, so the round
+        # trip to the daemon overlaps the kernels.
+        self._orders_before_forward = vllm_config.device_config.device_type == "cpu"
         self._side: tuple[str, int] | None = None
         self._load_errors: set[int] = set()
 
@@ -135,17 +139,25 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         register_worker(self.worker, self._vllm_config, self._kv_cache_config, kv_caches, self.options)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """The step's orders leave here, before the forward. vLLM 0.32 calls `start_load_kv` after
-        the forward for asynchronous loads; on CPU the forward is synchronous, so the holds of the
-        requests the last step answered would wait out this step's whole forward (a batch of
-        prefills: over a second), and a decode's reads with them."""
+        """On CPU a step's orders leave here, before the forward. vLLM 0.32 calls `start_load_kv`
+        after the forward for asynchronous loads (kvxferd's are always asynchronous); a CPU forward
+        is synchronous, so from there the holds of the requests the last step answered would wait
+        out this step's whole forward (a batch of prefills: over a second) and a decode's reads with
+        them. A read may land while the forward runs: its request waits for its KV and is not in
+        this step, and vLLM neither caches nor zeroes its blocks meanwhile."""
         super().bind_connector_metadata(connector_metadata)
-        if self.worker is not None:
-            assert isinstance(connector_metadata, KvxferdMetadata)
-            self.worker.start(connector_metadata.orders())
+        if self.worker is not None and self._orders_before_forward:
+            self._send_orders()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return  # the step's orders left in bind_connector_metadata
+        if not self._orders_before_forward:  # GPU: the forward is launched, the round trip overlaps it
+            self._send_orders()
+
+    def _send_orders(self) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferdMetadata)
+        self.worker.start(meta.orders())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # reads are asynchronous: vLLM waits for finished_recving instead
