@@ -73,10 +73,6 @@ class World:
     spins, "TODO: make scheduler proc sleep when idle"). A TP 1 engine pinned to the core of one of
     C's ranks has, spinning while it held a request for C, kept that rank from running for the whole
     lease. The TP 1 engines are not pinned, so the kernel moves them off the core C's rank needs.
-
-    A, O and B run their model worker inside the engine core (`worker_in_engine`), which saves one
-    of three torch-and-vLLM imports each at start. What is tested here is geometry; vLLM's default
-    process layout is test_vllm_pd.py's and test_vllm_leases.py's.
     """
 
     def __init__(self, workdir, family: Family):
@@ -95,12 +91,11 @@ class World:
                       connector="kvxferd")
         lease = {"lease_s": LEASE_S}  # a refused read leaves its prefill hold to the lease
         self.a = VllmServer(workdir, f"{family.name}-A", model, role="kv_producer", socket=self.da.socket,
-                            cores="nobind", extra_config=lease, worker_in_engine=True, **common)
+                            cores="nobind", extra_config=lease, **common)
         self.o = VllmServer(workdir, f"{family.name}-O", other, role="kv_producer", socket=self.da.socket,
-                            cores="nobind", extra_config=lease, worker_in_engine=True, **common)
+                            cores="nobind", extra_config=lease, **common)
         self.b = VllmServer(workdir, f"{family.name}-B", model, role="kv_consumer", socket=self.db.socket,
-                            cores="nobind", extra_config={"enforce_handshake_compat": False}, worker_in_engine=True,
-                            **common)
+                            cores="nobind", extra_config={"enforce_handshake_compat": False}, **common)
         self.c = VllmServer(workdir, f"{family.name}-C", model, role="kv_both", socket=self.dc.socket, tp=2,
                             cores="0|1", extra_config=lease, **common) if self.dc else None
         start(*[s for s in (self.a, self.o, self.b, self.c) if s is not None])
