@@ -387,6 +387,11 @@ class HandshakeServer:
     async def _answer_later(self, identity: bytes, reply: Awaitable[SideReply]) -> None:
         try:
             answer = await reply
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the server closes
+            answer = AuditReply(False, "internal error: the answer was cancelled")  # never silence
         except Exception as exc:
             answer = AuditReply(False, f"internal error: {type(exc).__name__}: {exc}")
         await self.sock.send_multipart([identity, b"", _encoder.encode(answer)])

@@ -232,7 +232,9 @@ class Holds:
         held.lease_until = now + msg.lease_s  # a renewal never ends a hold before a pin it granted
         self._settle(held, now)
         self._recorder.holds_now(len(self._held))
-        return digests
+        # The digests are the hold's, for every audit to come: whoever waits on them (the hold's
+        # reply, which a closed connection cancels) gets a view it cannot cancel them through.
+        return None if digests is None else asyncio.shield(digests)
 
     def on_notification(self, sender: str, data: bytes) -> None:
         """A peer's notification; `sender` is the agent name NIXL reports it under. Counted only
@@ -441,7 +443,12 @@ class Holds:
     async def _audit(self, held: Held, raw_rows: bytes, where: str) -> hs.AuditReply:
         assert held.digests is not None
         try:
-            when_held = await held.digests
+            try:
+                when_held = await asyncio.shield(held.digests)  # an audit cancelled leaves them to the rest
+            except asyncio.CancelledError:
+                if not held.digests.cancelled():
+                    raise  # this audit is cancelled (the side channel closes): nobody waits for it
+                return hs.AuditReply(False, f"{where}'s blocks were never digested (cancelled)")
             (reply, nbytes), seconds = await self._audit_digester.run(
                 held.engine, functools.partial(_audit_rows, held.engine, when_held, raw_rows, where))
         except Exception as exc:

@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 
 from kvxferd import integrity
+from kvxferd import protocol as P
+from kvxferd.benchmarks.harness import BenchEngine
+from kvxferd.client import EngineClient, RemoteRef
 from kvxferd.lab.synthetic import testing
-from kvxferd.lab.synthetic.demo import Cluster
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess
 from kvxferd.memory import Mapping, buffer_address, create_shm
 from kvxferd.plan.models import PRESETS, build
+from kvxferd.rpc import frame
 
 
 def host_mapping(nbytes: int, seed: int = 0) -> tuple[Mapping, np.ndarray]:
@@ -149,3 +153,36 @@ def test_a_read_that_outlives_its_hold_is_not_vouched_for():
         out = audited_read(c, 1, 40, blocks)
         assert out["status"] == "failed" and "is not held" in out["reason"], out
         c.prefill.free(blocks)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_path, batched):
+    """The hold's digests belong to the hold, not to the connection that asked for it: a
+    connection gone while they are computed (its reply waits for them) leaves them to finish,
+    and the consumer's audit is answered. (It was not: the closed connection's reply was
+    cancelled, the digests with it, and every audit of that hold waited out its deadline.)"""
+    shape = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=8)
+    geo = build(shape, 1, 0)  # 128 MiB held: digested for tens of ms, time for the hang-up
+    pd = DaemonProcess(tmp_path, "p", extra=["--integrity-audit"])
+    dd = DaemonProcess(tmp_path, "d", extra=["--integrity-audit"])
+    engines: list[BenchEngine] = []
+    try:
+        p, d = BenchEngine(pd.socket, "p", geo), BenchEngine(dd.socket, "d", geo)
+        engines += [p, d]
+        blocks = [list(range(shape.num_blocks))]
+        hold = p.client.requests.hold("r", 30.0, blocks, digest=True)
+        msg = P.Batch([hold]) if batched else hold
+        with EngineClient(pd.socket, "p", 0, 1) as hangs_up:
+            hangs_up.attach(p.client.token)
+            hangs_up.rpc.sock.sendall(frame(P.encoder.encode(msg)))  # no wait for the reply
+        host, port = p.side_channel.rsplit(":", 1)
+        tokens = shape.block_size * 4
+        d.client.read("r", RemoteRef("p", host, int(port), 1, "r"), tokens, [[0, 1, 2, 3]], [[0, 1, 2, 3]], 10.0,
+                      audit=True)
+        out = d.wait("r", 30.0)
+        assert out.status == "received", out
+    finally:
+        for e in engines:
+            e.close()
+        pd.stop()
+        dd.stop()
