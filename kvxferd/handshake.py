@@ -22,6 +22,7 @@ only agent whose notifications for that engine the answering daemon accepts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -350,6 +351,7 @@ class HandshakeServer:
             self.port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.answer = answer
+        self._pending: set[asyncio.Task[None]] = set()  # answers still being computed (audits)
 
     async def watch_auth(self, on_refused: Callable[[int], None]) -> None:
         """Report peers refused at the ZMTP handshake (no or wrong CurveZMQ key)."""
@@ -362,7 +364,7 @@ class HandshakeServer:
     async def run(self) -> None:
         """Answer requests in turn; an answer that must wait (an audit's digests) is sent when
         ready, while later requests are answered meanwhile."""
-        pending: set[asyncio.Task[None]] = set()
+        pending = self._pending
         while True:
             if len(pending) >= MAX_ANSWERS_PENDING:
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -394,9 +396,12 @@ class HandshakeServer:
             answer = AuditReply(False, "internal error: the answer was cancelled")  # never silence
         except Exception as exc:
             answer = AuditReply(False, f"internal error: {type(exc).__name__}: {exc}")
-        await self.sock.send_multipart([identity, b"", _encoder.encode(answer)])
+        with contextlib.suppress(zmq.ZMQError):  # the socket closed meanwhile: nobody to answer
+            await self.sock.send_multipart([identity, b"", _encoder.encode(answer)])
 
     def close(self) -> None:
+        for task in self._pending:
+            task.cancel()
         self.sock.disable_monitor()
         self.monitor.close(0)
         if self.auth is not None:

@@ -141,6 +141,12 @@ MAX_AUDITS_PER_HOLD = 16  # of those, naming one held request (a TP 16 decode's 
 MAX_EARLY = 1 << 16  # notifications waiting for their hold; beyond, the oldest are dropped
 
 
+def _retrieved(fut: asyncio.Future[HeldDigests]) -> None:
+    """Mark a failure as seen: `_log_failure` on the digests themselves reports it once."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _log_failure(fut: asyncio.Future[HeldDigests]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("digesting held blocks failed", exc_info=fut.exception())
@@ -234,7 +240,11 @@ class Holds:
         self._recorder.holds_now(len(self._held))
         # The digests are the hold's, for every audit to come: whoever waits on them (the hold's
         # reply, which a closed connection cancels) gets a view it cannot cancel them through.
-        return None if digests is None else asyncio.shield(digests)
+        if digests is None:
+            return None
+        view = asyncio.shield(digests)
+        view.add_done_callback(_retrieved)  # a view nobody awaited (its connection went) logs nothing
+        return view
 
     def on_notification(self, sender: str, data: bytes) -> None:
         """A peer's notification; `sender` is the agent name NIXL reports it under. Counted only
@@ -446,7 +456,8 @@ class Holds:
             try:
                 when_held = await asyncio.shield(held.digests)  # an audit cancelled leaves them to the rest
             except asyncio.CancelledError:
-                if not held.digests.cancelled():
+                task = asyncio.current_task()
+                if not held.digests.cancelled() or (task is not None and task.cancelling()):
                     raise  # this audit is cancelled (the side channel closes): nobody waits for it
                 return hs.AuditReply(False, f"{where}'s blocks were never digested (cancelled)")
             (reply, nbytes), seconds = await self._audit_digester.run(

@@ -545,11 +545,15 @@ class Reads:
             remote = remote_rows(pp, rids, t.route.links[rank].remote_region_addr)[:, :2].astype("<i8")
             request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes())
             asked = asyncio.ensure_future(self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001)))
-            await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
-            local = local_rows(pp, lids, er.region_addr)
-            ours, seconds = await asyncio.wait_for(  # the digest thread may be busy: the deadline holds
-                self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)),
-                max(t.deadline - time.monotonic(), 0.001))
+            try:
+                await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
+                local = local_rows(pp, lids, er.region_addr)
+                ours, seconds = await asyncio.wait_for(  # the digest thread may be busy: the deadline holds
+                    self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)),
+                    max(t.deadline - time.monotonic(), 0.001))
+            except BaseException:
+                asked.cancel()  # abandoned (our digest timed out, or we are cancelled): its socket closes
+                raise
             self._recorder.digested("read", int(local[:, 1].sum()), seconds)
             reply = await asked
             while reply.retry and not t.done and time.monotonic() + AUDIT_RETRY_S < t.deadline:

@@ -1,5 +1,6 @@
 """KV integrity audit: the digest, the rows of a block, and real daemons catching reused blocks."""
 
+import contextlib
 import importlib.util
 import os
 
@@ -163,12 +164,15 @@ def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_pa
     cancelled, the digests with it, and every audit of that hold waited out its deadline.)"""
     shape = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=8)
     geo = build(shape, 1, 0)  # 128 MiB held: digested for tens of ms, time for the hang-up
-    pd = DaemonProcess(tmp_path, "p", extra=["--integrity-audit"])
-    dd = DaemonProcess(tmp_path, "d", extra=["--integrity-audit"])
-    engines: list[BenchEngine] = []
-    try:
-        p, d = BenchEngine(pd.socket, "p", geo), BenchEngine(dd.socket, "d", geo)
-        engines += [p, d]
+    with contextlib.ExitStack() as stack:
+        pd = DaemonProcess(tmp_path, "p", extra=["--integrity-audit"])
+        stack.callback(pd.stop)
+        dd = DaemonProcess(tmp_path, "d", extra=["--integrity-audit"])
+        stack.callback(dd.stop)
+        p = BenchEngine(pd.socket, "p", geo)
+        stack.callback(p.close)
+        d = BenchEngine(dd.socket, "d", geo)
+        stack.callback(d.close)
         blocks = [list(range(shape.num_blocks))]
         hold = p.client.requests.hold("r", 30.0, blocks, digest=True)
         msg = P.Batch([hold]) if batched else hold
@@ -181,8 +185,3 @@ def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_pa
                       audit=True)
         out = d.wait("r", 30.0)
         assert out.status == "received", out
-    finally:
-        for e in engines:
-            e.close()
-        pd.stop()
-        dd.stop()
