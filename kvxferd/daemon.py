@@ -162,7 +162,9 @@ class Daemon:
             self.engines.close(er, "daemon stopping")
             if not self.reads.uses_engine(er):  # memory NIXL may still write stays mapped until exit
                 self.engines.release(er)
-        self.zmq.term()
+        # Whatever socket a task still holds open (an audit, a probe, a claim under way) is closed
+        # here: `term` alone would wait for it, holding the stop until systemd's SIGKILL.
+        self.zmq.destroy(linger=0)
         self.lanes.close()
         log.info("kvxferd stopped")
 

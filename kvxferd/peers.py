@@ -151,6 +151,7 @@ class Peers:
         self.routes: dict[RouteKey, Route] = {}  # ready routes of live peers (the reads' fast path)
         self._retired: dict[Route, Peer] = {}  # routes of retired peers, until no read uses them
         self._retired_peers: list[Peer] = []
+        self._handshakes: set[asyncio.Task[None]] = set()  # in flight; cancelled at shutdown
 
     async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: float) -> Route:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new."""
@@ -184,7 +185,9 @@ class Peers:
         if peer is None:
             peer = self._peers[peer_key(ref)] = Peer(ref.engine_id, ref.host, ref.port,
                                                      asyncio.get_running_loop().create_future())
-            asyncio.get_running_loop().create_task(self._handshake(peer))
+            task = asyncio.get_running_loop().create_task(self._handshake(peer))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
             self._changed()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -317,7 +320,10 @@ class Peers:
             self._release(route.links.values())
 
     def close(self) -> None:
-        """Shutdown: release every list and remove every agent."""
+        """Shutdown: stop the handshakes under way (their sockets close), release every list and
+        remove every agent."""
+        for task in self._handshakes:
+            task.cancel()
         for route in [*self.routes.values(), *self._retired]:
             self._release(route.links.values())
         for agent in {p.agent for p in [*self._peers.values(), *self._retired_peers] if p.agent}:

@@ -2,6 +2,7 @@
 end `failed` (with their block ids) or `expired` within the configured deadline, memory whose
 transfer outcome is unknown stays mapped, and the daemon serves the next valid request."""
 
+import os
 import signal
 import socket
 import threading
@@ -12,9 +13,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvxferd.client import RemoteRef
+from kvxferd.client import EngineClient, RemoteRef
 from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
-from kvxferd.plan.models import PRESETS
+from kvxferd.memory import create_shm
+from kvxferd.plan.models import PRESETS, build
 
 replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
@@ -219,6 +221,30 @@ def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
         assert "kvxferd stopped" in log and "Traceback" not in log
         c.prefill.wait_released(1, 30)  # quarantined READs that ended still notified: sent or expired
         c.prefill.free(blocks)
+
+
+def test_sigterm_with_a_handshake_under_way_exits_at_once(tmp_path):
+    """A handshake to a peer that never answers holds a side-channel socket open: the stop
+    closes it rather than waiting on it (it waited for the SIGKILL that followed SIGTERM)."""
+    daemon = DaemonProcess(tmp_path, "daemon")
+    try:
+        geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=16, layers=1), 1, 0)
+        fd, mm = create_shm(geo.buffers[0])
+        with EngineClient(daemon.socket, "engine", 0, 1) as engine:
+            engine.register(geo, shm_fds=[fd])
+            os.close(fd)
+            # TEST-NET: nothing answers, the handshake waits its timeout (30 s by default)
+            engine.read("r", RemoteRef("silent", "192.0.2.1", 5600, 1, "r"), 16, [[1]], [[1]], 30.0)
+            assert engine.status().in_flight  # under way: the handshake is out
+            daemon.proc.send_signal(signal.SIGTERM)
+            [done] = engine.poll(5.0)  # the stop fails the read, then waits for the engine to learn it
+            assert done.status == "failed" and done.reason.startswith("shutdown"), done
+            assert daemon.proc.wait(9) == 0  # by itself, well before the harness's SIGKILL at 10 s
+        mm.close()
+        log = Path(daemon.log.name).read_text()
+        assert "kvxferd stopped" in log and "Traceback" not in log
+    finally:
+        daemon.stop()
 
 
 @pytest.fixture
