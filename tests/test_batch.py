@@ -31,11 +31,11 @@ def client(tmp_path):
 
 
 def orders(c: EngineClient) -> list[P.Hold | P.Read]:
-    nobody = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")
+    nobody = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")  # nothing listens: the read fails at its deadline
     return [c.requests.hold("a", 30.0, [[1]]),
             c.requests.hold("b", 10_000.0, [[2]]),  # over the daemon's max_lease_s
-            c.requests.read("c", nobody, 8, [[3, 4]], [[3, 4]], 5.0),
-            c.requests.read("c", nobody, 8, [[3, 4]], [[3, 4]], 5.0)]  # already being read
+            c.requests.read("c", nobody, 8, [[3, 4]], [[3, 4]], 1.0),
+            c.requests.read("c", nobody, 8, [[3, 4]], [[3, 4]], 1.0)]  # already being read
 
 
 @pytest.mark.parametrize("version", [2, 1])

@@ -18,7 +18,8 @@ from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=16)
-NOBODY = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")  # nothing listens: a read there fails fast
+NOBODY = P.RemoteRef("nobody", "127.0.0.1", 1, 1, "x")  # nothing listens: a read there fails at its deadline
+DEADLINE_S = 1.0
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_rings_when_a_completion_waits_and_not_before(daemon, shm):
         assert not c.rung()  # nothing queued yet
         c.hold("held", 600.0, [[1]])  # a hold alone completes nothing
         assert not rung_within(c, 0.3)
-        c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], 5.0)
+        c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], DEADLINE_S)
         assert rung_within(c, 10.0)
         [done] = c.poll(0.0)
         assert (done.request_id, done.status, done.block_ids) == ("r1", "failed", [[3, 4]])
@@ -66,7 +67,7 @@ def test_rings_again_while_completions_remain_after_a_poll(daemon, shm):
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
         c.register(geo, shm_fds=[fd], doorbell=True)
         for i in range(3):
-            c.read(f"r{i}", NOBODY, 8, [[i]], [[i]], 5.0)
+            c.read(f"r{i}", NOBODY, 8, [[i]], [[i]], DEADLINE_S)
         seen: list[str] = []
         end = time.monotonic() + 10.0
         while len(seen) < 3 and time.monotonic() < end:
@@ -88,7 +89,7 @@ def test_an_engine_made_doorbell_is_closed_unrung(daemon, shm):
             msg, sent = c.requests.register(geo, shm_fds=[fd], doorbell=bell)
             reply = c.rpc.call(msg, P.Registered, sent)
             assert reply.doorbell is False and c.rpc.reader.fds == deque()
-            c.read("r", NOBODY, 8, [[3]], [[3]], 5.0)
+            c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
             [done] = c.poll(10.0)
             assert done.status == "failed"
             with pytest.raises(BlockingIOError):
@@ -118,7 +119,7 @@ def test_the_engine_cannot_make_the_daemon_s_end_blocking(daemon, shm):
         flags = int(next(line.split()[1] for line in fdinfo if line.startswith("flags:")), 8)
         assert flags & os.O_NONBLOCK and flags & os.O_ACCMODE == os.O_WRONLY
         os.set_blocking(c.doorbell, False)
-        c.read("r", NOBODY, 8, [[3]], [[3]], 5.0)
+        c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
         assert rung_within(c, 10.0)
 
 

@@ -66,7 +66,7 @@ def test_a_batch_is_applied_all_or_nothing(limited):
     c = limited
     orders = [c.requests.hold("a", 30.0, [[1]]),
               c.requests.hold("b", 30.0, [[99]]),  # no block 99: refused
-              c.requests.read("c", NOBODY, 8, [[3]], [[3]], 5.0)]
+              c.requests.read("c", NOBODY, 8, [[3]], [[3]], 1.0)]  # fails at its deadline
     results = c.rpc.call(P.Batch(orders), P.Results).items
     assert isinstance(results[1], P.Error) and "out of range" in results[1].message
     assert all(isinstance(r, P.Error) and r.message.startswith(P.NOT_APPLIED) for r in (results[0], results[2]))
