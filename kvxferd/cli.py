@@ -314,9 +314,12 @@ def serve(
         logging.getLogger("kvxferd").warning(insecure)
     try:
         import uvloop
-        uvloop.run(run(cfg))
     except ImportError:  # pragma: no cover
-        asyncio.run(run(cfg))
+        loop_run = asyncio.run
+    else:
+        loop_run = uvloop.run  # an ImportError inside the daemon is its own failure, not a reason to start again
+    try:
+        loop_run(run(cfg))
     except SocketDirError as exc:  # the socket's directory breaks its rule (kvxferd/sockdir.py)
         fail(str(exc))
 

@@ -152,20 +152,22 @@ class Daemon:
         await self.liveness.close()
         if self._http is not None:
             self._http.close()
-        for conn in list(self._connections):
-            conn.close()  # unregisters its engine ranks
-        self.peers.close()
-        self.links.close()
-        self.digester.close()  # waits for a digest reading engine memory to end
-        self.audit_digester.close()
-        for er in self.engines.all():
-            self.engines.close(er, "daemon stopping")
-            if not self.reads.uses_engine(er):  # memory NIXL may still write stays mapped until exit
-                self.engines.release(er)
-        # Whatever socket a task still holds open (an audit, a probe, a claim under way) is closed
-        # here: `term` alone would wait for it, holding the stop until systemd's SIGKILL.
-        self.zmq.destroy(linger=0)
-        self.lanes.close()
+        try:
+            for conn in list(self._connections):
+                conn.close()  # unregisters its engine ranks
+            self.peers.close()
+            self.links.close()
+            self.digester.close()  # waits for a digest reading engine memory to end
+            self.audit_digester.close()
+            for er in self.engines.all():
+                self.engines.close(er, "daemon stopping")
+                if not self.reads.uses_engine(er):  # memory NIXL may still write stays mapped until exit
+                    self.engines.release(er)
+        finally:
+            # Whatever socket a task still holds open (a handshake, an audit, a probe, a claim under
+            # way) is closed here: `term` alone would wait for it, holding the stop until SIGKILL.
+            self.zmq.destroy(linger=0)
+            self.lanes.close()
         log.info("kvxferd stopped")
 
     async def _watchdog(self) -> None:

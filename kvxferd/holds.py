@@ -138,6 +138,8 @@ def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
 
 MAX_PENDING_AUDITS = 64  # audits accepted and not answered; more are asked to retry
 MAX_AUDITS_PER_HOLD = 16  # of those, naming one held request (a TP 16 decode's ranks at once)
+SLOW_DIGESTS_S = 1.0  # an audit that waited longer than this for its hold's digests is logged,
+SLOW_LOG_S = 10.0  # at most this often
 MAX_EARLY = 1 << 16  # notifications waiting for their hold; beyond, the oldest are dropped
 
 
@@ -188,6 +190,7 @@ class Holds:
         self._digester = digester or integrity.Digester()  # engines' holds
         self._audit_digester = audit_digester or integrity.Digester("audit")  # peers' audits
         self._audits = 0  # accepted, not answered yet
+        self._slow_logged, self._slow_unlogged = -SLOW_LOG_S, 0  # audits slowed by their digests: logging
         self._integrity_audit = integrity_audit
         self._nixl = nixl
         self._recorder = recorder
@@ -452,9 +455,13 @@ class Holds:
 
     async def _audit(self, held: Held, raw_rows: bytes, where: str) -> hs.AuditReply:
         assert held.digests is not None
+        asked = time.monotonic()
         try:
             try:
                 when_held = await asyncio.shield(held.digests)  # an audit cancelled leaves them to the rest
+                waited = time.monotonic() - asked
+                if waited > SLOW_DIGESTS_S:  # the digest thread is behind: the audit's reader waits too
+                    self._slow_audit(where, waited)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not held.digests.cancelled() or (task is not None and task.cancelling()):
@@ -470,6 +477,16 @@ class Holds:
         if nbytes:
             self._recorder.digested("audit", nbytes, seconds)
         return reply
+
+    def _slow_audit(self, where: str, waited: float) -> None:
+        """Logged at most every SLOW_LOG_S, with how many were not (a backlog must not add a line per audit)."""
+        now = time.monotonic()
+        if now - self._slow_logged < SLOW_LOG_S:
+            self._slow_unlogged += 1
+            return
+        log.warning("audit of %s waited %.1f s for the hold's digests (%d digest jobs pending; %d more slow "
+                    "audits since the last such line)", where, waited, self._digester.pending, self._slow_unlogged)
+        self._slow_logged, self._slow_unlogged = now, 0
 
     def status(self, now: float, limit: int) -> list[P.HoldStatus]:
         """The `limit` oldest holds."""

@@ -320,8 +320,8 @@ class Peers:
             self._release(route.links.values())
 
     def close(self) -> None:
-        """Shutdown: stop the handshakes under way (their sockets close), release every list and
-        remove every agent."""
+        """Shutdown: cancel the handshakes under way (nothing waits for them now; the daemon's
+        context closes their sockets), release every list and remove every agent."""
         for task in self._handshakes:
             task.cancel()
         for route in [*self.routes.values(), *self._retired]:

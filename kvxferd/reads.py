@@ -505,6 +505,7 @@ class Reads:
     # --- audit ----------------------------------------------------------------
     async def _audit(self, t: Transfer) -> None:
         """Compare what arrived with the prefill's digests, row by row; then finish or fail."""
+        began = time.monotonic()
         try:
             corrupt, rows = await self._corrupt_blocks(t)
         except hs.HandshakeError as exc:
@@ -517,7 +518,10 @@ class Reads:
             return
         except TimeoutError:
             self._recorder.audit_ended(0, unanswered=True)
-            self._fail(t, "deadline", "the integrity audit did not end before the read's deadline")
+            # where the read's time went: before the audit (handshake, READ) or in it
+            self._fail(t, "deadline", f"the integrity audit did not end before the read's deadline (it began "
+                                      f"{began - t.started:.1f} s into the read, {max(t.deadline - began, 0):.1f} s "
+                                      f"before it; {self._digester.pending} digest jobs pending now)")
             return
         except Exception as exc:
             self._fail_on(t, exc)

@@ -226,24 +226,25 @@ def test_sigterm_under_load_fails_reads_and_exits_within_the_stop_timeout():
 def test_sigterm_with_a_handshake_under_way_exits_at_once(tmp_path):
     """A handshake to a peer that never answers holds a side-channel socket open: the stop
     closes it rather than waiting on it (it waited for the SIGKILL that followed SIGTERM)."""
-    daemon = DaemonProcess(tmp_path, "daemon")
+    # the handshake must still be waiting when the stop comes, however slow this machine is
+    daemon = DaemonProcess(tmp_path, "daemon", extra=["--handshake-timeout", "120"])
+    geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=16, layers=1), 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
     try:
-        geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=16, layers=1), 1, 0)
-        fd, mm = create_shm(geo.buffers[0])
         with EngineClient(daemon.socket, "engine", 0, 1) as engine:
             engine.register(geo, shm_fds=[fd])
-            os.close(fd)
-            # TEST-NET: nothing answers, the handshake waits its timeout (30 s by default)
-            engine.read("r", RemoteRef("silent", "192.0.2.1", 5600, 1, "r"), 16, [[1]], [[1]], 30.0)
+            # TEST-NET: nothing answers there, the handshake waits
+            engine.read("r", RemoteRef("silent", "192.0.2.1", 5600, 1, "r"), 16, [[1]], [[1]], 120.0)
             assert engine.status().in_flight  # under way: the handshake is out
             daemon.proc.send_signal(signal.SIGTERM)
             [done] = engine.poll(5.0)  # the stop fails the read, then waits for the engine to learn it
             assert done.status == "failed" and done.reason.startswith("shutdown"), done
             assert daemon.proc.wait(9) == 0  # by itself, well before the harness's SIGKILL at 10 s
-        mm.close()
         log = Path(daemon.log.name).read_text()
         assert "kvxferd stopped" in log and "Traceback" not in log
     finally:
+        os.close(fd)
+        mm.close()
         daemon.stop()
 
 
