@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import grp
 import logging
 import os
@@ -56,6 +57,7 @@ R = TypeVar("R", bound=P.Msg)
 
 LONG_POLL_MAX_S = 60.0
 HOUSEKEEPING_S = 0.05
+STALL_DUMP_S = 10.0  # the event loop held this long: every thread's stack goes to stderr (faulthandler)
 
 
 class Daemon:
@@ -221,14 +223,25 @@ class Daemon:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
-        while True:
-            await asyncio.sleep(HOUSEKEEPING_S)
-            now = time.monotonic()
-            self.holds.expire(now)
-            self.leases.renew(now)
-            self.links.close_idle(now)
-            self.liveness.tick(now)
-            self._release_idle(now)
+        armed = 0.0
+        try:
+            while True:
+                await asyncio.sleep(HOUSEKEEPING_S)
+                now = time.monotonic()
+                if now - armed >= 1.0:
+                    # A loop held this long (a blocking call) has every thread's stack written to stderr.
+                    faulthandler.dump_traceback_later(STALL_DUMP_S)
+                    armed = now
+                self._housekeep(now)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _housekeep(self, now: float) -> None:
+        self.holds.expire(now)
+        self.leases.renew(now)
+        self.links.close_idle(now)
+        self.liveness.tick(now)
+        self._release_idle(now)
 
     def _release_idle(self, now: float) -> None:
         self.peers.collect(self.reads.uses_route)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,11 @@ import numpy as np
 from .memory import Mapping
 from .plan.geometry import ATTENTION, Geometry
 
+log = logging.getLogger("kvxferd")
+
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 BATCH_WORDS = 1 << 20  # gather at most this many words at once (8 MiB of index)
+SLOW_JOB_S = 5.0  # a digest job running longer is logged
 LONG_ROW_WORDS = 512  # rows this long (4 KiB) are digested in place one by one; shorter ones gathered
 
 
@@ -57,13 +61,18 @@ class Digester:
 
     def __init__(self, name: str = "digest") -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvxferd-{name}")
+        self._name = name
         self.pending = 0  # jobs queued or running
 
     async def run(self, rank: Any, job: Callable[[], T]) -> tuple[T, float]:
         """`job()`'s result and the seconds it ran (not counting the wait for the thread)."""
         def timed() -> tuple[T, float]:
             t0 = time.perf_counter()
-            return job(), time.perf_counter() - t0
+            result = job()
+            seconds = time.perf_counter() - t0
+            if seconds > SLOW_JOB_S:  # memory that took this long to read: the host is short of it, or stalled
+                log.warning("a %s job read engine memory for %.1f s", self._name, seconds)
+            return result, seconds
 
         def done(_: object) -> None:
             self.pending -= 1
