@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import grp
 import logging
 import os
@@ -51,13 +50,13 @@ from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
 from .sidelink import Links
 from .sockdir import unlink_if_bound
+from .stall import StallWatch
 
 log = logging.getLogger("kvxferd")
 R = TypeVar("R", bound=P.Msg)
 
 LONG_POLL_MAX_S = 60.0
 HOUSEKEEPING_S = 0.05
-STALL_DUMP_S = 10.0  # the event loop held this long: every thread's stack goes to stderr (faulthandler)
 
 
 class Daemon:
@@ -115,6 +114,7 @@ class Daemon:
                                                   self.recorder.accept_failed)
         self._accepting = [accept, asyncio.create_task(self.hs_server.run()),
                            asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer))]
+        self.stall = StallWatch(time.monotonic())
         self._tasks = [asyncio.create_task(self._progress()), asyncio.create_task(self._housekeeping())]
         if cfg.metrics_port >= 0:
             self._http = await serve_http(self.recorder.metrics, cfg.metrics_host, cfg.metrics_port,
@@ -151,6 +151,7 @@ class Daemon:
         if self.reads.quarantined:
             log.warning("stopping with %d quarantined reads still running in NIXL", self.reads.quarantined)
         await _cancel(self._tasks)
+        self.stall.arm(time.monotonic())  # what follows closes and joins: a hang there is dumped too
         await self.liveness.close()
         if self._http is not None:
             self._http.close()
@@ -170,6 +171,7 @@ class Daemon:
             # way) is closed here: `term` alone would wait for it, holding the stop until SIGKILL.
             self.zmq.destroy(linger=0)
             self.lanes.close()
+            self.stall.disarm()
         log.info("kvxferd stopped")
 
     async def _watchdog(self) -> None:
@@ -223,18 +225,11 @@ class Daemon:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
-        armed = 0.0
-        try:
-            while True:
-                await asyncio.sleep(HOUSEKEEPING_S)
-                now = time.monotonic()
-                if now - armed >= 1.0:
-                    # A loop held this long (a blocking call) has every thread's stack written to stderr.
-                    faulthandler.dump_traceback_later(STALL_DUMP_S)
-                    armed = now
-                self._housekeep(now)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            self.stall.tick(now, HOUSEKEEPING_S)
+            self._housekeep(now)
 
     def _housekeep(self, now: float) -> None:
         self.holds.expire(now)

@@ -68,10 +68,12 @@ class Digester:
         """`job()`'s result and the seconds it ran (not counting the wait for the thread)."""
         def timed() -> tuple[T, float]:
             t0 = time.perf_counter()
-            result = job()
-            seconds = time.perf_counter() - t0
-            if seconds > SLOW_JOB_S:  # memory that took this long to read: the host is short of it, or stalled
-                log.warning("a %s job read engine memory for %.1f s", self._name, seconds)
+            try:
+                result = job()
+            finally:
+                seconds = time.perf_counter() - t0
+                if seconds > SLOW_JOB_S:  # memory that took this long to read: the host is short of it, or stalled
+                    log.warning("a %s job read engine memory for %.1f s", self._name, seconds)
             return result, seconds
 
         def done(_: object) -> None:
@@ -85,7 +87,8 @@ class Digester:
         return await asyncio.shield(running)  # a waiter that gives up leaves the job to finish
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Wait for the job running (it reads engine memory); drop the ones queued behind it."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def weights(words: int) -> np.ndarray:

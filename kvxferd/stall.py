@@ -1,0 +1,62 @@
+"""The event loop's own health: a loop held by a blocking call (a NIXL call, a page fault on
+engine memory, a thread holding the GIL) delays every engine and peer at once.
+
+    housekeeping tick every HOUSEKEEPING_S ──► gap over LOG_AFTER_S: "event loop held N s" logged
+                                          └──► once a second: faulthandler re-armed for DUMP_AFTER_S
+    loop held DUMP_AFTER_S ──► faulthandler's own thread writes every thread's stack to stderr
+
+The dump comes while the loop is still held (a log line can only come after), and names the
+call holding it. faulthandler's watchdog is one per process: kvxferd runs one daemon per process.
+Without a usable stderr (closed, or not a file) there are no dumps; the log lines remain.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import sys
+
+log = logging.getLogger("kvxferd")
+
+LOG_AFTER_S = 1.0  # a tick this late is logged with how long the loop was held
+DUMP_AFTER_S = 10.0  # held this long (9 to 10 s: re-armed each second): every thread's stack to stderr
+REARM_S = 1.0
+
+
+class StallWatch:
+    def __init__(self, now: float, dump_after_s: float = DUMP_AFTER_S) -> None:
+        self._dump_after_s = dump_after_s
+        self._fd = _stderr_fd()
+        self._last = now  # the last tick
+        self._armed = -REARM_S  # when faulthandler was last armed
+
+    def tick(self, now: float, expected_s: float) -> None:
+        """A housekeeping tick that meant to come `expected_s` after the last one."""
+        held = now - self._last - expected_s
+        self._last = now
+        if held > LOG_AFTER_S:
+            log.warning("event loop held %.1f s%s", held,
+                        " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
+        if now - self._armed >= REARM_S:
+            self.arm(now)
+
+    def arm(self, now: float) -> None:
+        if self._fd is None:
+            return
+        try:
+            faulthandler.dump_traceback_later(self._dump_after_s, file=self._fd)
+            self._armed = now
+        except Exception as exc:  # no thread left for the watchdog (a pids limit): go on without dumps
+            log.warning("stall dumps off: %s", exc)
+            self._fd = None
+
+    def disarm(self) -> None:
+        if self._fd is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno() if sys.stderr is not None else None
+    except (AttributeError, OSError, ValueError):  # closed, or not a file (captured, embedded)
+        return None
