@@ -46,6 +46,11 @@ class Family:
 
 
 F32 = 4
+# KV blocks per server: room for every request here, and memory the machine can keep. At vLLM
+# CPU's smallest KV space (1 GiB per rank) a world's five ranks, its 13 vLLM processes and their
+# daemons left a 24 GiB machine so short that every process stalled for a minute, past a read's
+# deadline (each daemon logged its event loop held 58-61 s, an audit's digest 43 s).
+KV_BLOCKS = 1024
 LEASE_S = 45.0  # a TP 2 rank on a busy 2-core machine has taken over 20 s to read and audit
 FAMILIES = [
     # 3 sliding-window groups (window 64) + 1 full, one layer each, 2 KV heads x (K|V 2 x 64) x 32 tokens
@@ -88,7 +93,7 @@ class World:
             if family.heterogeneous else None
         self.metrics = {"b": self.db.metrics_address, "c": self.dc.metrics_address if self.dc else ""}
         common = dict(dtype=family.dtype, block_size=family.block_size, prefix_caching=family.prefix_caching,
-                      connector="kvxferd")
+                      connector="kvxferd", args=["--num-gpu-blocks-override", str(KV_BLOCKS)])
         lease = {"lease_s": LEASE_S}  # a refused read leaves its prefill hold to the lease
         self.a = VllmServer(workdir, f"{family.name}-A", model, role="kv_producer", socket=self.da.socket,
                             cores="nobind", extra_config=lease, **common)
