@@ -229,14 +229,11 @@ class Daemon:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
             self.stall.tick(now, HOUSEKEEPING_S)
-            self._housekeep(now)
-
-    def _housekeep(self, now: float) -> None:
-        self.holds.expire(now)
-        self.leases.renew(now)
-        self.links.close_idle(now)
-        self.liveness.tick(now)
-        self._release_idle(now)
+            self.holds.expire(now)
+            self.leases.renew(now)
+            self.links.close_idle(now)
+            self.liveness.tick(now)
+            self._release_idle(now)
 
     def _release_idle(self, now: float) -> None:
         self.peers.collect(self.reads.uses_route)
