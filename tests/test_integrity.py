@@ -173,6 +173,10 @@ def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_pa
         stack.callback(p.close)
         d = BenchEngine(dd.socket, "d", geo)
         stack.callback(d.close)
+        tokens = shape.block_size * 4
+        prompt = testing.Sequence(7, tokens, ((0, 1, 2, 3),))
+        testing.fill_sequence(p.views, geo, prompt)  # the prefill's KV of the prompt read below
+        before = [v.copy() for v in d.views]
         blocks = [list(range(shape.num_blocks))]
         hold = p.client.requests.hold("r", 30.0, blocks, digest=True)
         msg = P.Batch([hold]) if batched else hold
@@ -180,8 +184,9 @@ def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_pa
             hangs_up.attach(p.client.token)
             hangs_up.rpc.sock.sendall(frame(P.encoder.encode(msg)))  # no wait for the reply
         host, port = p.side_channel.rsplit(":", 1)
-        tokens = shape.block_size * 4
         d.client.read("r", RemoteRef("p", host, int(port), 1, "r"), tokens, [[0, 1, 2, 3]], [[0, 1, 2, 3]], 10.0,
                       audit=True)
         out = d.wait("r", 30.0)
         assert out.status == "received", out
+        want = testing.expect_after_read(before, geo, prompt, [0], [shape.block_size])
+        assert testing.check(d.views, want, geo) == []  # the prompt's bytes, and nothing else touched
