@@ -1,15 +1,30 @@
 """`kvxferd bench vllm`: real vLLM P/D through kvxferd side by side with vLLM's NixlConnector,
 and the same vLLM alone with no connector.
 
-The setups run the same tiny model on the same machine: two vLLM instances for each P/D setup
-(prefill on core 0, decode on core 1), kvxferd's with its two daemons, and one plain instance
-(core 1) that prefills and decodes itself. Rounds alternate between them so the machine's noise
-weighs on all alike; the setups not being measured are frozen (SIGSTOP), so their idle pollers
-take no CPU from the one that is. Per prompt length and concurrency:
+The setups run the same tiny model on the same machine, its two cores split as if between two
+nodes: each vLLM instance has every one of its processes (API server, engine core, worker) on
+one core, and each daemon sits on its engine's core. Prefill node: core 0 (prefill vLLM and, for
+kvxferd, its daemon). Decode node: core 1 (decode vLLM and its daemon). The plain instance is
+a decode node alone: core 1, no connector, and its prompts already in its prefix cache (each
+prompt is sent once, untimed, before the case), so its requests do what a P/D decode does:
+one token's compute, then decode steps. Requests go in waves of the concurrency (a wave's
+prefills, then its decodes together), so every setup's decode batches are alike. Rounds
+alternate between the setups so the machine's noise weighs on all alike; the setups not being
+measured are frozen (SIGSTOP), so their idle pollers take no CPU from the one that is.
 
-    TTFT         prefill request + decode request until its first token (what the router does)
+Why whole instances are pinned: vLLM's worker busy-polls its step queue for a second after
+each step, and its engine core spins on `sched_yield` waiting for the worker. With only the
+workers' compute threads bound, a prefill's post-step spin on core 0 takes CPU from the
+decode's API server and engine core wherever they run, which a plain instance alone never
+pays: that, not the connector, was most of a P/D decode's inter-token latency over plain.
+
+Per prompt length and concurrency:
+
+    TTFT         prefill request + decode request until its first token (what the router does;
+                 the wait for the wave's other prefills is not counted)
     decode TTFT  the decode request alone: KV ready (handshake, pull) + one decode step
-    ITL          inter-token latency of the decode: (last token - first token) / (tokens - 1)
+    ITL          inter-token latency of the decode: every gap between two streamed tokens,
+                 pooled over the case's requests (p50, p99)
     requests/s   requests finished / wall time
     idle CPU     each instance's and daemon's CPU over an idle window, % of one core
 
@@ -104,26 +119,36 @@ class Setup:
 class Sample:
     ttft_s: float
     decode_ttft_s: float
-    itl_s: float  # the decode's time per token after its first
+    gaps_s: list[float]  # between the decode's successive tokens
 
 
-def one_request(setup: Setup, prompt: list[int], max_tokens: int) -> Sample:
-    if setup.prefill is None:  # the plain instance prefills itself
-        d = stream(setup.decode.url, prompt, max_tokens)
-        return Sample(d.ttft_s, d.ttft_s, (d.total_s - d.ttft_s) / max(max_tokens - 1, 1))
+def prefill(setup: Setup, prompt: list[int]) -> tuple[float, dict[str, Any]]:
+    """(seconds, kv_transfer_params) of a P/D prefill; the plain instance's prompts are cached."""
+    if setup.prefill is None:
+        return 0.0, {}
     t0 = time.perf_counter()
     p = setup.prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    prefill_s = time.perf_counter() - t0
-    d = stream(setup.decode.url, prompt, max_tokens, kv_transfer_params=p["kv_transfer_params"])
-    return Sample(prefill_s + d.ttft_s, d.ttft_s, (d.total_s - d.ttft_s) / max(max_tokens - 1, 1))
+    return time.perf_counter() - t0, {"kv_transfer_params": p["kv_transfer_params"]}
 
 
 def run_case(setup: Setup, length: int, concurrency: int, requests: int, rng: random.Random,
              max_tokens: int) -> tuple[list[Sample], float]:
+    """Requests in waves of `concurrency`: a wave's prefills together, then its decodes together,
+    so each setup's decode batches hold the same requests, the plain instance's too (a sliding
+    window would make a P/D decode's batches as ragged as its prefills' finishing times)."""
     prompts = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(requests)]  # never a prefix hit
+    if setup.prefill is None:  # computed once, untimed: its requests then decode, as a P/D decode does
+        for prompt in prompts:
+            setup.decode.complete(prompt, 1)
+    samples: list[Sample] = []
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        samples = list(pool.map(lambda p: one_request(setup, p, max_tokens), prompts))
+        for i in range(0, requests, concurrency):
+            wave = prompts[i:i + concurrency]
+            prefilled = list(pool.map(lambda p: prefill(setup, p), wave))
+            decoded = list(pool.map(lambda p, extra: stream(setup.decode.url, p, max_tokens, **extra[1]),
+                                    wave, prefilled))
+            samples += [Sample(pre_s + d.ttft_s, d.ttft_s, d.gaps_s) for (pre_s, _), d in zip(prefilled, decoded)]
     return samples, requests / (time.perf_counter() - t0)
 
 
@@ -140,10 +165,10 @@ class Result:
 
     def add(self, setup: str, length: int, concurrency: int, samples: list[Sample], rps: float) -> None:
         c = self.cases.setdefault((length, concurrency), {}).setdefault(
-            setup, {"ttft": [], "decode_ttft": [], "itl": [], "rps": []})
+            setup, {"ttft": [], "decode_ttft": [], "gaps": [], "rps": []})
         c["ttft"] += [s.ttft_s for s in samples]
         c["decode_ttft"] += [s.decode_ttft_s for s in samples]
-        c["itl"] += [s.itl_s for s in samples]
+        c["gaps"] += [g for s in samples for g in s.gaps_s]
         c["rps"].append(rps)
 
     def table(self) -> list[dict[str, Any]]:
@@ -154,7 +179,8 @@ class Result:
                 row[name] = {"ttft_ms_p50": 1e3 * statistics.median(c["ttft"]),
                              "ttft_ms_p99": 1e3 * pct(c["ttft"], .99),
                              "decode_ttft_ms_p50": 1e3 * statistics.median(c["decode_ttft"]),
-                             "itl_ms_p50": 1e3 * statistics.median(c["itl"]),
+                             "itl_ms_p50": 1e3 * statistics.median(c["gaps"]),
+                             "itl_ms_p99": 1e3 * pct(c["gaps"], .99),
                              "requests_per_s": statistics.median(c["rps"]), "samples": len(c["ttft"])}
             if "kvxferd" in by and "nixl" in by:
                 k, n = row["kvxferd"], row["nixl"]
@@ -163,6 +189,8 @@ class Result:
             if "plain" in by:
                 row["itl_over_plain"] = {name: row[name]["itl_ms_p50"] / row["plain"]["itl_ms_p50"]
                                          for name in by if name != "plain"}
+                row["itl_p99_over_plain"] = {name: row[name]["itl_ms_p99"] / row["plain"]["itl_ms_p99"]
+                                             for name in by if name != "plain"}
             rows.append(row)
         return rows
 
@@ -171,7 +199,8 @@ class Result:
 
 
 def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
-    p_daemon, d_daemon = DaemonProcess(wd, "kvxferd-prefill-daemon"), DaemonProcess(wd, "kvxferd-decode-daemon")
+    p_daemon = DaemonProcess(wd, "kvxferd-prefill-daemon", prefix=["taskset", "-c", "0"])
+    d_daemon = DaemonProcess(wd, "kvxferd-decode-daemon", prefix=["taskset", "-c", "1"])
     for d in (p_daemon, d_daemon):
         stack.callback(d.stop)
 
@@ -180,12 +209,15 @@ def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
 
     setups = {
         "kvxferd": Setup("kvxferd",
-                         VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0"),
-                         VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1"),
+                         VllmServer(wd, "kvxferd-prefill", model, "kv_producer", "kvxferd", p_daemon.socket, cores="0",
+                                    pin=True),
+                         VllmServer(wd, "kvxferd-decode", model, "kv_consumer", "kvxferd", d_daemon.socket, cores="1",
+                                    pin=True),
                          [p_daemon, d_daemon]),
-        "nixl": Setup("nixl", VllmServer(wd, "nixl-prefill", model, "kv_producer", "nixl", cores="0", env=nixl_env()),
-                      VllmServer(wd, "nixl-decode", model, "kv_consumer", "nixl", cores="1", env=nixl_env())),
-        "plain": Setup("plain", None, VllmServer(wd, "plain", model, cores="1")),
+        "nixl": Setup("nixl",
+                      VllmServer(wd, "nixl-prefill", model, "kv_producer", "nixl", cores="0", env=nixl_env(), pin=True),
+                      VllmServer(wd, "nixl-decode", model, "kv_consumer", "nixl", cores="1", env=nixl_env(), pin=True)),
+        "plain": Setup("plain", None, VllmServer(wd, "plain", model, cores="1", pin=True)),
     }
     servers = [s for setup in setups.values() for s in (setup.prefill, setup.decode) if s is not None]
     for s in servers:
@@ -257,15 +289,16 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
 
 def render(out: dict[str, Any]) -> str:
     lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s        "
-             "| decode ITL p50 ms",
+             "| decode ITL p50 ms                                | ITL p99 over plain",
              "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"
-             "| kvxferd  nixl plain | kvxferd/plain nixl/plain"]
+             "| kvxferd  nixl plain | kvxferd/plain nixl/plain | kvxferd  nixl"]
     for row in out["cases"]:
         k, n, r, p = row["kvxferd"], row["nixl"], row["ratio"], row["plain"]
         cells = [f"{k[m]:7.1f} {n[m]:6.1f} {r[m]:4.2f}" for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50")]
         cells.append(f"{k['requests_per_s']:6.2f} {n['requests_per_s']:5.2f} {r['requests_per_s']:4.2f}")
         cells.append(f"{k['itl_ms_p50']:7.2f} {n['itl_ms_p50']:5.2f} {p['itl_ms_p50']:5.2f} | "
-                     f"{row['itl_over_plain']['kvxferd']:13.3f} {row['itl_over_plain']['nixl']:10.3f}")
+                     f"{row['itl_over_plain']['kvxferd']:13.3f} {row['itl_over_plain']['nixl']:10.3f} | "
+                     f"{row['itl_p99_over_plain']['kvxferd']:7.3f} {row['itl_p99_over_plain']['nixl']:5.3f}")
         lines.append(f"{row['prompt_tokens']:6d} {row['concurrency']:4d} | " + "| ".join(cells))
     step = out.get("step_cost", {})
     if step.get("steps"):

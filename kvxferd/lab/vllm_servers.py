@@ -7,6 +7,7 @@ neither vLLM nor torch: vLLM runs in its own environment (`vllm_python()`), star
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -97,6 +98,9 @@ class VllmServer:
     # processes where vLLM's default is three, each importing torch and vLLM (~15 s of CPU here).
     # The connector's scheduler and worker halves then share a process.
     worker_in_engine: bool = False
+    # every process of the server (API server, engine core, workers) on `cores`, not only the
+    # workers' compute threads: a machine's cores split as if between nodes (benchmarks)
+    pin: bool = False
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -107,6 +111,10 @@ class VllmServer:
                "--block-size", str(self.block_size),
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", "-O0",
                "--disable-uvicorn-access-log", *self.args]
+        if self.pin:
+            if self.cores == "nobind":
+                raise LaunchError(f"vLLM {self.name}: pinning needs cores to pin to (cores='nobind')")
+            cmd = ["taskset", "-c", self.cores.replace("|", ","), *cmd]
         if self.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -220,6 +228,7 @@ class Timed:
     text: str
     ttft_s: float  # until the first generated text arrived
     total_s: float
+    gaps_s: list[float] = field(default_factory=list)  # between successive pieces of text: inter-token latencies
 
 
 def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: float = 300.0, **extra: Any) -> Timed:
@@ -229,7 +238,7 @@ def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: flo
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, parts = 0.0, []
+    arrivals, parts = [], []
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -239,10 +248,11 @@ def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: flo
             if "error" in chunk:
                 raise LaunchError(f"{url}: {chunk['error']}")
             piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""
-            if piece and not first:
-                first = time.perf_counter() - t0
+            if piece:
+                arrivals.append(time.perf_counter())
             parts.append(piece)
-    return Timed("".join(parts), first, time.perf_counter() - t0)
+    first = arrivals[0] - t0 if arrivals else 0.0
+    return Timed("".join(parts), first, time.perf_counter() - t0, [b - a for a, b in itertools.pairwise(arrivals)])
 
 
 def handoff(prefill: VllmServer, decode: VllmServer, prompt: str | list[int], max_tokens: int = 16,
