@@ -232,7 +232,8 @@ def bench_vllm(
     lengths: list[int] = typer.Option([128, 512, 2048], "--length", help="Prompt tokens (repeatable)."),
     concurrency: list[int] = typer.Option([1, 8], "--concurrency", help="Requests in flight (repeatable)."),
     requests: int = typer.Option(8, help="Requests per case and round (at least the concurrency)."),
-    max_tokens: int = typer.Option(16, "--max-tokens"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=2, help="Tokens per decode (two at least: ITL is "
+                                                                   "the gaps between them)."),
     idle_s: float = typer.Option(5.0, "--idle-s", help="Idle window for the CPU measurement."),
     workdir: Path | None = typer.Option(None, help="Where logs go (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json"),

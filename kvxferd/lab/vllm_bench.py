@@ -7,10 +7,16 @@ one core, and each daemon sits on its engine's core. Prefill node: core 0 (prefi
 kvxferd, its daemon). Decode node: core 1 (decode vLLM and its daemon). The plain instance is
 a decode node alone: core 1, no connector, and its prompts already in its prefix cache (each
 prompt is sent once, untimed, before the case), so its requests do what a P/D decode does:
-one token's compute, then decode steps. Requests go in waves of the concurrency (a wave's
-prefills, then its decodes together), so every setup's decode batches are alike. Rounds
-alternate between the setups so the machine's noise weighs on all alike; the setups not being
-measured are frozen (SIGSTOP), so their idle pollers take no CPU from the one that is.
+a little compute for the first token (the prompt's last block: vLLM recomputes that much of
+a fully cached prompt, where a P/D decode computes one token), then decode steps. Requests go
+in waves of the concurrency (a wave's prefills, then its decodes together), so every setup's
+decode batches are alike (and every setup gets the same prompts). Rounds alternate between the
+setups so the machine's noise weighs on all alike; the setups not being measured are frozen
+(SIGSTOP), so their idle pollers take no CPU from the one that is.
+
+The plain instance has one core for everything, as the decode has: its ITL is higher than
+with vLLM's processes spread over both cores (~10 against ~7 ms at concurrency 1 here), and so
+is the P/D decode's; the ratio compares like with like.
 
 Why whole instances are pinned: vLLM's worker busy-polls its step queue for a second after
 each step, and its engine core spins on `sched_yield` waiting for the worker. With only the
@@ -23,8 +29,8 @@ Per prompt length and concurrency:
     TTFT         prefill request + decode request until its first token (what the router does;
                  the wait for the wave's other prefills is not counted)
     decode TTFT  the decode request alone: KV ready (handshake, pull) + one decode step
-    ITL          inter-token latency of the decode: every gap between two streamed tokens,
-                 pooled over the case's requests (p50, p99)
+    ITL          inter-token latency of the decode: every gap between two streamed tokens
+                 (counted by token ids), pooled over the case's requests (p50, p99, mean)
     requests/s   requests finished / wall time
     idle CPU     each instance's and daemon's CPU over an idle window, % of one core
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import statistics
 import time
@@ -49,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from .synthetic.demo import DaemonProcess
-from .vllm_servers import DEFAULT_VENV, VllmServer, free_port, get_text, make_model, stream
+from .vllm_servers import DEFAULT_VENV, LaunchError, VllmServer, free_port, get_text, make_model, stream
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -181,6 +188,7 @@ class Result:
                              "decode_ttft_ms_p50": 1e3 * statistics.median(c["decode_ttft"]),
                              "itl_ms_p50": 1e3 * statistics.median(c["gaps"]),
                              "itl_ms_p99": 1e3 * pct(c["gaps"], .99),
+                             "itl_ms_mean": 1e3 * statistics.fmean(c["gaps"]),
                              "requests_per_s": statistics.median(c["rps"]), "samples": len(c["ttft"])}
             if "kvxferd" in by and "nixl" in by:
                 k, n = row["kvxferd"], row["nixl"]
@@ -191,6 +199,8 @@ class Result:
                                          for name in by if name != "plain"}
                 row["itl_p99_over_plain"] = {name: row[name]["itl_ms_p99"] / row["plain"]["itl_ms_p99"]
                                              for name in by if name != "plain"}
+                row["itl_mean_over_plain"] = {name: row[name]["itl_ms_mean"] / row["plain"]["itl_ms_mean"]
+                                              for name in by if name != "plain"}
             rows.append(row)
         return rows
 
@@ -199,6 +209,9 @@ class Result:
 
 
 def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
+    if shutil.which("taskset") is None:
+        raise LaunchError("kvxferd bench vllm pins each instance and daemon to a core with `taskset` "
+                          "(util-linux), which is not on PATH")
     p_daemon = DaemonProcess(wd, "kvxferd-prefill-daemon", prefix=["taskset", "-c", "0"])
     d_daemon = DaemonProcess(wd, "kvxferd-decode-daemon", prefix=["taskset", "-c", "1"])
     for d in (p_daemon, d_daemon):
@@ -268,7 +281,9 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
                 try:
                     for length in lengths:
                         for conc in concurrencies:
-                            samples, rps = run_case(setup, length, conc, max(requests, conc), rng, max_tokens)
+                            # the same prompts for every setup in a round (none seen before by any)
+                            prompts = random.Random(f"{r}/{length}/{conc}")
+                            samples, rps = run_case(setup, length, conc, max(requests, conc), prompts, max_tokens)
                             result.add(name, length, conc, samples, rps)
                             say(f"round {r + 1}/{rounds} {name:8s} {length:5d} tokens x{conc}: TTFT p50 "
                                 f"{1e3 * statistics.median(s.ttft_s for s in samples):7.1f} ms, {rps:5.2f} req/s")
@@ -289,16 +304,16 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
 
 def render(out: dict[str, Any]) -> str:
     lines = ["prompt  conc | TTFT p50 ms        | TTFT p99 ms        | decode TTFT p50 ms | requests/s        "
-             "| decode ITL p50 ms                                | ITL p99 over plain",
+             "| decode ITL p50 ms   | ITL over plain: p50   p99    mean",
              "             | kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd  nixl ratio| kvxferd nixl ratio"
-             "| kvxferd  nixl plain | kvxferd/plain nixl/plain | kvxferd  nixl"]
+             "| kvxferd  nixl plain | kvxferd        nixl | kvxferd nixl | kvxferd nixl"]
     for row in out["cases"]:
         k, n, r, p = row["kvxferd"], row["nixl"], row["ratio"], row["plain"]
         cells = [f"{k[m]:7.1f} {n[m]:6.1f} {r[m]:4.2f}" for m in ("ttft_ms_p50", "ttft_ms_p99", "decode_ttft_ms_p50")]
         cells.append(f"{k['requests_per_s']:6.2f} {n['requests_per_s']:5.2f} {r['requests_per_s']:4.2f}")
         cells.append(f"{k['itl_ms_p50']:7.2f} {n['itl_ms_p50']:5.2f} {p['itl_ms_p50']:5.2f} | "
-                     f"{row['itl_over_plain']['kvxferd']:13.3f} {row['itl_over_plain']['nixl']:10.3f} | "
-                     f"{row['itl_p99_over_plain']['kvxferd']:7.3f} {row['itl_p99_over_plain']['nixl']:5.3f}")
+                     + " | ".join(f"{row[key]['kvxferd']:7.3f} {row[key]['nixl']:5.3f}"
+                                  for key in ("itl_over_plain", "itl_p99_over_plain", "itl_mean_over_plain")))
         lines.append(f"{row['prompt_tokens']:6d} {row['concurrency']:4d} | " + "| ".join(cells))
     step = out.get("step_cost", {})
     if step.get("steps"):

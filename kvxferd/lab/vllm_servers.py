@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,8 +113,10 @@ class VllmServer:
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", "-O0",
                "--disable-uvicorn-access-log", *self.args]
         if self.pin:
-            if self.cores == "nobind":
-                raise LaunchError(f"vLLM {self.name}: pinning needs cores to pin to (cores='nobind')")
+            if not all(c.isdigit() for c in self.cores.split("|")):
+                raise LaunchError(f"vLLM {self.name}: pinning needs core numbers (cores={self.cores!r})")
+            if shutil.which("taskset") is None:
+                raise LaunchError(f"vLLM {self.name}: pinning needs `taskset` (util-linux), not on PATH")
             cmd = ["taskset", "-c", self.cores.replace("|", ","), *cmd]
         if self.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config())]
@@ -232,13 +235,18 @@ class Timed:
 
 
 def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: float = 300.0, **extra: Any) -> Timed:
-    """A streamed completion, timed on the client: TTFT is what a user waits for the first token."""
+    """A streamed completion, timed on the client: TTFT is what a user waits for the first token.
+
+    Tokens are counted by their ids, not their text (a token may decode to no text yet, and the
+    server merges tokens into one chunk when it falls behind): a chunk of k tokens after a
+    delay d counts as k gaps of d / k. Tokens in the first chunk beyond the first have no gap."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, **extra}
+            "stream": True, "return_token_ids": True, **extra}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    arrivals, parts = [], []
+    arrivals: list[tuple[float, int]] = []  # (when, how many tokens)
+    parts = []
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -247,12 +255,15 @@ def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: flo
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise LaunchError(f"{url}: {chunk['error']}")
-            piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""
-            if piece:
-                arrivals.append(time.perf_counter())
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            piece = choice.get("text") or ""
+            tokens = len(choice.get("token_ids") or []) or (1 if piece else 0)
+            if tokens:
+                arrivals.append((time.perf_counter(), tokens))
             parts.append(piece)
-    first = arrivals[0] - t0 if arrivals else 0.0
-    return Timed("".join(parts), first, time.perf_counter() - t0, [b - a for a, b in itertools.pairwise(arrivals)])
+    first = arrivals[0][0] - t0 if arrivals else 0.0
+    gaps = [(t - before) / n for (before, _), (t, n) in itertools.pairwise(arrivals) for _ in range(n)]
+    return Timed("".join(parts), first, time.perf_counter() - t0, gaps)
 
 
 def handoff(prefill: VllmServer, decode: VllmServer, prompt: str | list[int], max_tokens: int = 16,
