@@ -82,6 +82,13 @@ class World:
 
     def __init__(self, workdir, family: Family):
         self.family, self.workdir = family, workdir
+        try:
+            self._start(workdir, family)
+        except BaseException:
+            self.close()  # what started before the failure
+            raise
+
+    def _start(self, workdir, family: Family) -> None:
         kind = family.model or family.name
         base = MODELS / f"tiny-{kind}"
         model, other = make_model(base.with_name(base.name + "-seed0"), 0, kind), \
@@ -120,10 +127,11 @@ class World:
         return self.metric(daemon, "kvxferd_transfer_bytes_total")
 
     def close(self) -> None:
-        for s in (self.a, self.o, self.b, self.c, self.da, self.db, self.dc):
-            if s is not None:
+        for name in ("a", "o", "b", "c", "da", "db", "dc"):  # those that exist: also after a failed start
+            process = getattr(self, name, None)
+            if process is not None:
                 with contextlib.suppress(Exception):
-                    s.stop()
+                    process.stop()
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])

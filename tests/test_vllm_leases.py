@@ -46,24 +46,33 @@ def metric(daemon: DaemonProcess, name: str, label: str = "") -> float:
 
 class World:
     def __init__(self, workdir):
+        self.running: list = []  # every process started, stopped by close(), also when setup fails
+        try:
+            self._start(workdir)
+        except BaseException:
+            self.close()
+            raise
+
+    def own(self, process):
+        self.running.append(process)
+        return process
+
+    def _start(self, workdir) -> None:
         model = make_model(workdir / "tiny-dense", 0)
-        self.pd = DaemonProcess(workdir, "p-daemon", metrics_port=0)
-        self.d_on = DaemonProcess(workdir, "d-on-daemon", metrics_port=0)
-        self.d_off = DaemonProcess(workdir, "d-off-daemon", metrics_port=0, extra=["--no-lease-renewal"])
+        self.pd = self.own(DaemonProcess(workdir, "p-daemon", metrics_port=0))
+        self.d_on = self.own(DaemonProcess(workdir, "d-on-daemon", metrics_port=0))
+        self.d_off = self.own(DaemonProcess(workdir, "d-off-daemon", metrics_port=0, extra=["--no-lease-renewal"]))
         common = dict(dtype=DTYPE, connector="kvxferd", cores="nobind")
         busy = ["--max-num-seqs", "1", "--num-gpu-blocks-override", str(DECODE_BLOCKS),
                 "--max-model-len", str((DECODE_BLOCKS - 1) * 32)]  # vLLM keeps one block back
-        self.servers = [
-            ref := VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind", worker_in_engine=True),
-            p := VllmServer(workdir, "prefill", model, role="kv_producer", socket=self.pd.socket,
-                            extra_config={"lease_s": LEASE_S}, **common),
-            on := VllmServer(workdir, "decode-renewing", model, role="kv_consumer", socket=self.d_on.socket,
-                             args=busy, failure_policy="recompute", **common),
-            off := VllmServer(workdir, "decode-not-renewing", model, role="kv_consumer", socket=self.d_off.socket,
-                              args=busy, failure_policy="recompute", **common),
-        ]
-        self.ref, self.p, self.on, self.off = ref, p, on, off
-        for s in self.servers:
+        self.ref = self.own(VllmServer(workdir, "single", model, dtype=DTYPE, cores="nobind", worker_in_engine=True))
+        self.p = self.own(VllmServer(workdir, "prefill", model, role="kv_producer", socket=self.pd.socket,
+                                      extra_config={"lease_s": LEASE_S}, **common))
+        self.on = self.own(VllmServer(workdir, "decode-renewing", model, role="kv_consumer", socket=self.d_on.socket,
+                                       args=busy, failure_policy="recompute", **common))
+        self.off = self.own(VllmServer(workdir, "decode-not-renewing", model, role="kv_consumer",
+                                        socket=self.d_off.socket, args=busy, failure_policy="recompute", **common))
+        for s in (self.ref, self.p, self.on, self.off):
             s.wait_ready()
 
     def late_reads(self, decode: VllmServer, seed: int) -> tuple[list[str], list[str]]:
@@ -82,10 +91,8 @@ class World:
             return answers, singles.result(timeout=600)
 
     def close(self) -> None:
-        for s in self.servers:
-            s.stop()
-        for d in (self.pd, self.d_on, self.d_off):
-            d.stop()
+        while self.running:
+            self.running.pop().stop()
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +161,9 @@ def test_a_prefill_restarted_under_load_leaves_the_decode_one_route(world):
         time.sleep(5)
         old = world.p
         old.stop()
-        world.p = VllmServer(old.workdir, "prefill-2", old.model, role="kv_producer", socket=world.pd.socket,
-                             extra_config={"lease_s": LEASE_S}, dtype=DTYPE, connector="kvxferd", cores="nobind")
-        world.servers.append(world.p)
+        world.p = world.own(VllmServer(old.workdir, "prefill-2", old.model, role="kv_producer", socket=world.pd.socket,
+                                       extra_config={"lease_s": LEASE_S}, dtype=DTYPE, connector="kvxferd",
+                                       cores="nobind"))
         world.p.wait_ready()
         served = len(answers)
         deadline = time.monotonic() + 120
