@@ -231,7 +231,7 @@ class Timed:
     text: str
     ttft_s: float  # until the first generated text arrived
     total_s: float
-    gaps_s: list[float] = field(default_factory=list)  # between successive pieces of text: inter-token latencies
+    gaps_s: list[float] = field(default_factory=list)  # between successive tokens (see stream): inter-token latencies
 
 
 def stream(url: str, prompt: str | list[int], max_tokens: int = 16, timeout: float = 300.0, **extra: Any) -> Timed:
