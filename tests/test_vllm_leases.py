@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 import pytest
+import vllm_world
 from vllm_world import daemon_status, text
 
 from kvxferd.lab.synthetic.demo import DaemonProcess
@@ -44,20 +45,9 @@ def metric(daemon: DaemonProcess, name: str, label: str = "") -> float:
                if line.startswith(name) and label in line)
 
 
-class World:
-    def __init__(self, workdir):
-        self.running: list = []  # every process started, stopped by close(), also when setup fails
-        try:
-            self._start(workdir)
-        except BaseException:
-            self.close()
-            raise
-
-    def own(self, process):
-        self.running.append(process)
-        return process
-
-    def _start(self, workdir) -> None:
+class World(vllm_world.World):
+    def start(self) -> None:
+        workdir = self.workdir
         model = make_model(workdir / "tiny-dense", 0)
         self.pd = self.own(DaemonProcess(workdir, "p-daemon", metrics_port=0))
         self.d_on = self.own(DaemonProcess(workdir, "d-on-daemon", metrics_port=0))
@@ -90,9 +80,6 @@ class World:
             answers = [text(f.result(timeout=600)) for f in futures]
             return answers, singles.result(timeout=600)
 
-    def close(self) -> None:
-        while self.running:
-            self.running.pop().stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import json
 import urllib.request
 
 import pytest
+import vllm_world
 from vllm_world import daemon_status, model, start, text, wait_until
 
 from kvxferd.lab.synthetic.demo import DaemonProcess
@@ -30,37 +31,24 @@ DTYPE = "float32"
 LEASE_S = 15.0
 
 
-class World:
-    def __init__(self, workdir):
-        self.workdir = workdir
-        self.running: list = []  # every process this world started, stopped by close(), also when setup fails
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-
-    def _own(self, process):
-        self.running.append(process)
-        return process
-
-    def _start(self) -> None:
+class World(vllm_world.World):
+    def start(self) -> None:
         self.p_port = free_port()
-        self.p_daemon = self._own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port))
+        self.p_daemon = self.own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port))
         # a TP 2 prefill's daemon, on two cores its engine keeps busy, has taken over 5 s to answer
-        self.d_daemon = self._own(DaemonProcess(self.workdir, "d-daemon", metrics_port=0,
-                                                extra=["--handshake-timeout", "30"]))
+        self.d_daemon = self.own(DaemonProcess(self.workdir, "d-daemon", metrics_port=0,
+                                               extra=["--handshake-timeout", "30"]))
         m = model(0)
-        self.ref = self._own(VllmServer(self.workdir, "single", m, cores="nobind", dtype=DTYPE,
-                                        worker_in_engine=True))
-        self.p = self._own(VllmServer(self.workdir, "prefill", m, role="kv_producer", connector="kvxferd",
-                                      dtype=DTYPE, socket=self.p_daemon.socket, cores="0",
-                                      extra_config={"lease_s": LEASE_S}))
-        self.d = self._own(VllmServer(self.workdir, "decode", m, role="kv_consumer", connector="kvxferd",
-                                      dtype=DTYPE, socket=self.d_daemon.socket, cores="1",
-                                      failure_policy="recompute"))
+        self.ref = self.own(VllmServer(self.workdir, "single", m, cores="nobind", dtype=DTYPE,
+                                       worker_in_engine=True))
+        self.p = self.own(VllmServer(self.workdir, "prefill", m, role="kv_producer", connector="kvxferd",
+                                     dtype=DTYPE, socket=self.p_daemon.socket, cores="0",
+                                     extra_config={"lease_s": LEASE_S}))
+        self.d = self.own(VllmServer(self.workdir, "decode", m, role="kv_consumer", connector="kvxferd",
+                                     dtype=DTYPE, socket=self.d_daemon.socket, cores="1",
+                                     failure_policy="recompute"))
         start(self.ref, self.p, self.d)
-        self.proxy = self._own(ProxyProcess(self.workdir, [self.p.url], [self.d.url]))
+        self.proxy = self.own(ProxyProcess(self.workdir, [self.p.url], [self.d.url]))
         self.expected: dict[tuple, str] = {}
 
     def single(self, prompt: list[int], max_tokens: int = 16) -> str:
@@ -78,12 +66,9 @@ class World:
         return daemon_status(daemon).counters
 
     def restart_prefill_daemon(self) -> None:
-        self.p_daemon = self._own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port,
+        self.p_daemon = self.own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port,
                                                 socket=self.p_daemon.socket))
 
-    def close(self) -> None:
-        while self.running:
-            self.running.pop().stop()
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,31 @@ def start(*servers: VllmServer) -> None:
         raise
 
 
+class World:
+    """The processes a real-vLLM test world runs: each one `own`ed is stopped by `close()`,
+    newest first, also when `start` fails part-way (nothing is left running for the suite)."""
+
+    def __init__(self, workdir) -> None:
+        self.workdir = workdir
+        self.running: list = []
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def own(self, process):
+        self.running.append(process)
+        return process
+
+    def close(self) -> None:
+        while self.running:
+            self.running.pop().stop()
+
+
 def daemon_status(d: DaemonProcess) -> P.Status:
     with contextlib.closing(Client(d.socket, 10)) as c:
         return c.status()
