@@ -178,8 +178,9 @@ def bench_leases(
 
 
 @bench_app.command("step")
-def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer.Option(2000)) -> None:
-    """The vLLM worker's cost per scheduler step when nothing finishes, vs a poll RPC per step."""
+def bench_step(as_json: bool = typer.Option(False, "--json"), steps: int = typer.Option(2000, min=10)) -> None:
+    """The vLLM worker's cost per scheduler step with transfers pending: nothing finishing (vs a
+    poll RPC), and one read finishing (vs protocol 6's ring and poll)."""
     from .benchmarks import step
 
     rows = step.run(steps=steps)

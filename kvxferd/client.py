@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import os
 import select
 import socket
@@ -23,6 +24,7 @@ from typing import TypeVar
 import msgspec
 
 from . import protocol as P
+from .doorbell import DoorbellError, Records
 from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
@@ -34,6 +36,7 @@ Completion = P.Completion
 MemoryHandle = P.MemoryHandle
 BlockLists = Iterable[Iterable[int]]
 R = TypeVar("R", bound=P.Msg)
+log = logging.getLogger("kvxferd.client")
 
 
 class DaemonError(RuntimeError):
@@ -247,30 +250,34 @@ class EngineClient:
         self.requests = Requests(engine_id, rank, tp_size)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
-        self.doorbell: int | None = None  # doorbell pipe's read end: a byte when completions wait
+        self.doorbell: int | None = None  # doorbell pipe's read end (see doorbell.py)
         self._bell: select.poll | None = None  # watches `doorbell`
+        self._records: Records | None = None  # parses it when it carries completions (protocol 7)
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
         self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
-                 fds: Sequence[int] = (), doorbell: bool = False) -> str:
+                 fds: Sequence[int] = (), doorbell: bool = False, records: bool = True) -> str:
         """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
 
-        `doorbell`: ask the daemon (protocol 5 and later) for a doorbell pipe it writes a byte to
-        when completions wait, so that `rung()` tells without a round trip whether a poll would
-        find anything. The daemon keeps the write end: nothing the engine does can block it.
+        `doorbell`: ask the daemon (protocol 5 and later) for a doorbell pipe, so that `pushed()`
+        learns without a round trip what finished: the completions themselves (protocol 7,
+        `records`), or a byte saying a poll would find some. The daemon keeps the write end:
+        nothing the engine does can block it.
         """
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
         if doorbell and self.rpc.version >= 5:
-            msg = msgspec.structs.replace(msg, doorbell_pipe=True)
+            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=records and self.rpc.version >= 7)
         reply = self.rpc.call(msg, P.Registered, sent)
         bell = None
         if reply.doorbell:  # the pipe's read end came with the reply
             bell = self.rpc.reader.take_fds(1)[0]
             os.set_blocking(bell, False)
         self.rpc.reader.close()  # anything else a reply carried is not ours to keep
+        self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
+        self._records = Records() if bell is not None and reply.doorbell_records else None
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
@@ -280,22 +287,42 @@ class EngineClient:
         second connection of the registering process attaches too: a pid is no identity."""
         self.rpc.call(self.requests.attach(token), P.Ok)
 
-    def rung(self, wait_s: float = 0.0) -> bool:
-        """True when a poll may find completions: the daemon rang since the last call, or this
-        connection has no doorbell (then every poll may). One non-blocking read, no round trip;
-        with `wait_s`, waits that long for a ring first (the engine's process sleeps meanwhile)."""
+    def pushed(self, wait_s: float = 0.0) -> tuple[list[P.Completion], bool]:
+        """What the doorbell brought since the last call, without a round trip: the completions
+        it carried (protocol 7), and whether a poll may find more (a ring, the poll marker, or no
+        doorbell: then every poll may). With `wait_s`, waits that long for the pipe first (the
+        engine's process sleeps meanwhile)."""
         if self.doorbell is None:
-            return True
+            return [], True
         if self._bell is None:
             self._bell = select.poll()
             self._bell.register(self.doorbell, select.POLLIN)
-        if not self._bell.poll(wait_s * 1000):  # nothing rang (no exception raised: the common case)
-            return False
-        try:
-            os.read(self.doorbell, 4096)  # the rings so far (b"": the daemon's end closed: poll anyway)
-        except BlockingIOError:
-            return False
-        return True
+        if not self._bell.poll(wait_s * 1000):  # nothing came (no exception raised: the common case)
+            return [], False
+        data, ended = bytearray(), False
+        while True:
+            try:
+                chunk = os.read(self.doorbell, 1 << 16)
+            except BlockingIOError:
+                break
+            data += chunk
+            if not chunk:  # the daemon closed its end: poll from now on
+                ended = True
+                break
+            if len(chunk) < 1 << 16:
+                break
+        completions: list[P.Completion] = []
+        poll = bool(data) and self._records is None
+        if self._records is not None:
+            try:
+                completions, poll = self._records.feed(bytes(data))
+            except DoorbellError as exc:
+                log.error("kvxferd doorbell of engine %s rank %d unreadable (%s); polling from now on",
+                          self.engine_id, self.rank, exc)
+                ended = True
+        if ended:
+            self._close_doorbell()
+        return completions, poll or ended
 
     def unregister(self) -> None:
         self.rpc.call(self.requests.unregister(), P.Ok)
@@ -346,9 +373,12 @@ class EngineClient:
 
     def close(self) -> None:
         self.rpc.close()
+        self._close_doorbell()
+
+    def _close_doorbell(self) -> None:
         if self.doorbell is not None:
             os.close(self.doorbell)
-            self.doorbell = self._bell = None
+        self.doorbell = self._bell = self._records = None
 
     def __enter__(self) -> EngineClient:
         return self

@@ -346,13 +346,15 @@ class Daemon:
                     raise RequestError("version", f"protocol version {version} unsupported; "
                                                   f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
-            case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe):
-                # A protocol 3-4 eventfd is taken and closed unrung (engines.EngineRank._ring says why).
+            case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe, doorbell_records=records):
+                # A protocol 3-4 eventfd is taken and closed unrung: its open file is the engine's too,
+                # which could make a write to it block (doorbell.py's pipe is the daemon's alone).
                 fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + eventfd)
                 er = self.engines.register(msg, fds, conn)
                 if pipe:
-                    conn.send_with_next_reply(er.open_doorbell())
-                return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s)
+                    conn.send_with_next_reply(er.open_doorbell(records))
+                return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
+                                    pipe and records)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import handshake as hs
 from . import protocol as P
+from .doorbell import Doorbell
 from .lanes import LaneRegistrations, Lanes
 from .memory import Mapping, MappingError, MemType, map_cuda, map_cuda_vmm, map_shm
 from .nixl_driver import NixlDriver, Registration
@@ -58,8 +59,7 @@ class EngineRank:
     lane_registrations: LaneRegistrations = field(default_factory=list)  # the same memory, on each lane
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets another process `attach`
     attached: weakref.WeakSet[ServerConnection] = field(default_factory=weakref.WeakSet)
-    doorbell: int | None = None  # write end of the doorbell pipe, rung when completions wait (protocol 5)
-    rung: bool = False  # rung since the engine last took completions: ring once per batch
+    doorbell: Doorbell | None = None  # the pipe that tells the engine of completions (protocol 5)
     digesting: int = 0  # integrity digests reading this memory on the digest thread (integrity.Digester)
     epoch: str = ""  # the engine's registration this rank belongs to (see the module's docstring)
 
@@ -86,49 +86,35 @@ class EngineRank:
         return conn is None or conn is self.conn or conn in self.attached
 
     def complete(self, c: P.Completion) -> None:
-        """Queue a completion for the engine's next poll (dropped once the rank is closing)."""
-        if not self.closing:
-            self.completions.append(c)
-            self.wakeup.set()
-            if not self.rung:
-                self._ring()
+        """Hand a completion to the engine: into its doorbell (protocol 7) or the queue its next
+        poll takes (dropped once the rank is closing)."""
+        if self.closing:
+            return
+        if self.doorbell is not None and self.doorbell.push(c):
+            return
+        self.completions.append(c)
+        self.wakeup.set()
+        if self.doorbell is not None:
+            self.doorbell.tell()
 
     def take_completions(self, max_items: int) -> P.Completions:
         items: list[P.Completion] = []
         while self.completions and len(items) < max_items:
             items.append(self.completions.popleft())
-        self.rung = False
-        if self.completions:  # more than one poll's worth: ring again for the rest
-            self._ring()
+        if self.doorbell is not None:
+            self.doorbell.polled(left=bool(self.completions))
         return P.Completions(items)
 
-    def _ring(self) -> None:
-        """Tell an engine that polls only when rung that completions wait (one byte per batch).
-        The pipe's write end is the daemon's alone (non-blocking; the engine holds only the read
-        end), so a ring never waits: a full pipe is rung already, a closed one is dropped."""
-        if self.doorbell is None:
-            return
-        self.rung = True
-        try:
-            os.write(self.doorbell, b"\x01")
-        except BlockingIOError:
-            pass  # 64 KiB of rings unread: the engine will see the ones there
-        except OSError as exc:  # EPIPE: the engine closed its end
-            log.info("engine %s rank %d: doorbell closed (%s); it polls without it", self.engine_id,
-                     self.tp_rank, exc)
-            self.close_doorbell()
-
-    def open_doorbell(self) -> int:
-        """Make the rank's doorbell: keep the pipe's write end, return the read end (for the
-        engine; the caller sends and closes it)."""
-        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    def open_doorbell(self, records: bool) -> int:
+        """Make the rank's doorbell; returns the pipe's read end for the engine (the caller sends
+        and closes it)."""
         self.close_doorbell()
-        self.doorbell = write_end
+        self.doorbell, read_end = Doorbell.make(records)
         return read_end
 
     def close_doorbell(self) -> None:
         if self.doorbell is not None:
-            os.close(self.doorbell)
+            self.doorbell.close()
             self.doorbell = None
 
     def rank_info(self) -> hs.RankInfo:

@@ -1,4 +1,4 @@
-"""Engine <-> daemon protocol (version 6): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (version 7): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """
@@ -15,9 +15,10 @@ from .plan.geometry import Geometry
 # 2 added `batch`, 3 the completion doorbell, 4 segment `lanes` and `stride` (a daemon that did not
 # know them would drop them and misread the memory: it refuses version 4), 5 the daemon's own
 # doorbell pipe (`register.doorbell_pipe`), 6 `expect` (a read announced before its blocks are
-# allocated: the prefill's holds are kept alive meanwhile); older clients are served
-PROTOCOL_VERSION = 6
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
+# allocated: the prefill's holds are kept alive meanwhile), 7 completions written into the doorbell
+# pipe (`register.doorbell_records`, see doorbell.py); older clients are served
+PROTOCOL_VERSION = 7
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -74,6 +75,7 @@ class Register(Msg, tag="register"):
     # engine's too, which can make a write to it block (the fd is closed, `registered.doorbell` false).
     doorbell: bool = False
     doorbell_pipe: bool = False  # protocol 5: the daemon makes the doorbell, sends its read end back
+    doorbell_records: bool = False  # protocol 7: the doorbell carries the completions (doorbell.py)
 
 
 class Unregister(Msg, tag="unregister"):
@@ -164,7 +166,10 @@ class Welcome(Msg, tag="welcome"):
     daemon: str
 
 
-class Registered(Msg, tag="registered"):
+class Registered(Msg, tag="registered", omit_defaults=True):
+    """Fields at their default are not sent: a client older than a field (clients refuse
+    unknown fields) is still answered."""
+
     side_channel: str  # host:port that peers handshake with
     agent: str
     doorbell: bool = False  # protocol 5: a doorbell pipe's read end came with this reply (SCM_RIGHTS)
@@ -173,6 +178,7 @@ class Registered(Msg, tag="registered"):
     # its daemon's connection keeps the blocks it held until then: the daemon may have vouched
     # for them to a decode reading them.
     max_lease_s: float = 0.0
+    doorbell_records: bool = False  # protocol 7: the doorbell carries completion records (doorbell.py)
 
 
 class Ok(Msg, tag="ok"):

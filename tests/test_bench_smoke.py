@@ -30,8 +30,12 @@ def test_bench_leases_runs():
 
 def test_bench_step_runs():
     rows = step.run(steps=50)
-    assert [r["per_step"] for r in rows] == ["bare poll RPC (baseline)", "worker.results() (ships: doorbell)"]
-    assert all(r["p50_us"] > 0 for r in rows) and "worker / baseline" in step.render(rows)
+    assert [(r["scenario"], r["per_step"]) for r in rows] == [
+        ("nothing finishes", "bare poll RPC (baseline)"), ("nothing finishes", "worker.results() (ships)"),
+        ("one read finishes", "doorbell ring + poll (protocol 6, baseline)"),
+        ("one read finishes", "worker.results() (ships: records)")]
+    assert all(r["p50_us"] > 0 for r in rows) and step.render(rows).count("worker / baseline") == 2
+    assert rows[2]["found"] > 0.5 and rows[3]["found"] > 0.5  # the reads did finish within their steps
 
 
 def test_bench_handshake_runs():

@@ -1,18 +1,23 @@
-"""The completion doorbell (protocol 5): the daemon writes a byte to a pipe whose read end it gave
-the engine when completions wait, so a step where nothing finished costs the engine one
-non-blocking read instead of a poll round trip. The write end is the daemon's alone."""
+"""The completion doorbell: a pipe whose read end the daemon gave the engine. Protocol 7 writes the
+completions themselves into it (records), protocol 5-6 a byte when completions wait for a poll
+(ring), so a step costs the engine one non-blocking read instead of a poll round trip. The
+write end is the daemon's alone."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
 import time
 from collections import deque
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvxferd import protocol as P
 from kvxferd.client import EngineClient
+from kvxferd.doorbell import POLL_MARKER, Doorbell, DoorbellError, Records, queued_bytes
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
@@ -38,45 +43,118 @@ def shm():
     mm.close()
 
 
-def rung_within(c: EngineClient, seconds: float) -> bool:
+def pushed_within(c: EngineClient, seconds: float, want: int = 1) -> tuple[list[P.Completion], bool]:
+    """What the doorbell brought within `seconds`: until `want` completions or a poll request."""
+    got: list[P.Completion] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        if c.rung():
-            return True
-        time.sleep(0.005)
-    return False
+        items, poll = c.pushed(0.05)
+        got += items
+        if poll or len(got) >= want:
+            return got, poll
+    return got, False
 
 
-def test_rings_when_a_completion_waits_and_not_before(daemon, shm):
+def test_a_completion_comes_in_the_doorbell_and_no_poll_is_needed(daemon, shm):
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
         c.register(geo, shm_fds=[fd], doorbell=True)
         assert c.doorbell is not None
-        assert not c.rung()  # nothing queued yet
+        assert c.pushed() == ([], False)  # nothing queued yet
         c.hold("held", 600.0, [[1]])  # a hold alone completes nothing
-        assert not rung_within(c, 0.3)
+        assert pushed_within(c, 0.3) == ([], False)
         c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], DEADLINE_S)
-        assert rung_within(c, 10.0)
-        [done] = c.poll(0.0)
-        assert (done.request_id, done.status, done.block_ids) == ("r1", "failed", [[3, 4]])
-        assert not c.rung()  # one ring per batch of completions, consumed above
+        [done], poll = pushed_within(c, 10.0)
+        assert (done.request_id, done.status, done.block_ids, poll) == ("r1", "failed", [[3, 4]], False)
+        assert "connection" in done.reason or "deadline" in done.reason
+        assert c.poll(0.0) == []  # delivered once, in the pipe only
 
 
-def test_rings_again_while_completions_remain_after_a_poll(daemon, shm):
+def test_ring_mode_rings_when_a_completion_waits_and_not_before(daemon, shm):
+    """A protocol 5-6 engine (records=False): a byte, then a poll takes the completion."""
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
-        c.register(geo, shm_fds=[fd], doorbell=True)
+        c.register(geo, shm_fds=[fd], doorbell=True, records=False)
+        assert c.pushed() == ([], False)
+        c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], DEADLINE_S)
+        assert pushed_within(c, 10.0) == ([], True)
+        [done] = c.poll(0.0)
+        assert (done.request_id, done.status, done.block_ids) == ("r1", "failed", [[3, 4]])
+        assert c.pushed() == ([], False)  # one ring per batch of completions, consumed above
+
+
+def test_ring_mode_rings_again_while_completions_remain_after_a_poll(daemon, shm):
+    geo, fd = shm
+    with EngineClient(daemon.socket, "engine", 0, 1) as c:
+        c.register(geo, shm_fds=[fd], doorbell=True, records=False)
         for i in range(3):
             c.read(f"r{i}", NOBODY, 8, [[i]], [[i]], DEADLINE_S)
         seen: list[str] = []
         end = time.monotonic() + 10.0
         while len(seen) < 3 and time.monotonic() < end:
-            if c.rung():
+            if c.pushed(0.05)[1]:
                 seen += [x.request_id for x in c.poll(0.0, max_items=1)]
-            else:
-                time.sleep(0.005)
         assert sorted(seen) == ["r0", "r1", "r2"]  # each poll took one; the bell rang for the rest
         assert c.poll(0.0) == []
+
+
+BIG_SHAPE = ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=16384)
+
+
+def test_a_record_too_large_for_one_write_goes_to_the_queue_and_later_ones_follow_it(daemon):
+    """A failed read's block ids over PIPE_BUF: the marker asks for a poll, which takes it, and
+    the completions after it queue behind it until then (the engine sees them in order)."""
+    geo = build(BIG_SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "engine", 0, 1) as c:
+            c.register(geo, shm_fds=[fd], doorbell=True)
+            big = list(range(1000, 3000))  # 3 B each in msgpack: ~6 KB
+            c.read("big", NOBODY, 8, [big], [big], DEADLINE_S)
+            time.sleep(0.2)
+            c.read("small", NOBODY, 8, [[3]], [[3]], DEADLINE_S)  # fails after "big"
+            got, poll = pushed_within(c, 10.0)
+            assert (got, poll) == ([], True)
+            time.sleep(0.5)  # "small" fails meanwhile: queued behind "big", not in the pipe
+            assert c.pushed() == ([], False)
+            assert [(x.request_id, len(x.block_ids[0])) for x in c.poll(0.0)] == [("big", 2000), ("small", 1)]
+            c.read("after", NOBODY, 8, [[5]], [[5]], DEADLINE_S)  # the queue is empty: records again
+            [done], poll = pushed_within(c, 10.0)
+            assert (done.request_id, poll) == ("after", False)
+    finally:
+        os.close(fd)
+        mm.close()
+
+
+def test_an_engine_that_stops_reading_fills_a_quarter_of_its_pipe_then_the_queue(daemon):
+    geo = build(BIG_SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "engine", 0, 1) as c:
+            c.register(geo, shm_fds=[fd], doorbell=True)
+            assert c.doorbell is not None
+            n = 40
+            for i in range(n):  # ~1 KB records: 40 KB in all, past a quarter of a 64 KiB pipe
+                blocks = list(range(1000 + i * 400, 1000 + i * 400 + 350))
+                c.read(f"r{i}", NOBODY, 8, [blocks], [blocks], DEADLINE_S)
+            deadline = time.monotonic() + 20
+            while in_flight(daemon) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert in_flight(daemon) == 0  # every read failed (at its deadline) and completed
+            assert queued_bytes(c.doorbell) <= fcntl.fcntl(c.doorbell, fcntl.F_GETPIPE_SZ) // 4 + 4
+            got, poll = c.pushed()
+            assert poll and 0 < len(got) < n
+            rest = c.poll(0.0)
+            names = [x.request_id for x in got + rest]
+            assert sorted(names) == sorted(f"r{i}" for i in range(n)) and len(set(names)) == n
+    finally:
+        os.close(fd)
+        mm.close()
+
+
+def in_flight(daemon: DaemonProcess) -> int:
+    with EngineClient(daemon.socket, "observer", 0, 1) as o:
+        return o.status().totals.in_flight
 
 
 def test_an_engine_made_doorbell_is_closed_unrung(daemon, shm):
@@ -120,7 +198,8 @@ def test_the_engine_cannot_make_the_daemon_s_end_blocking(daemon, shm):
         assert flags & os.O_NONBLOCK and flags & os.O_ACCMODE == os.O_WRONLY
         os.set_blocking(c.doorbell, False)
         c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
-        assert rung_within(c, 10.0)
+        [done], _ = pushed_within(c, 10.0)
+        assert done.request_id == "r"
 
 
 def test_a_protocol_2_client_has_no_doorbell_and_polls_every_time(daemon, shm):
@@ -129,4 +208,73 @@ def test_a_protocol_2_client_has_no_doorbell_and_polls_every_time(daemon, shm):
         c.rpc.version = 2  # what the client learns from a daemon that speaks protocol 2
         c.register(geo, shm_fds=[fd], doorbell=True)
         assert c.doorbell is None
-        assert c.rung()  # without a doorbell every poll may find something
+        assert c.pushed() == ([], True)  # without a doorbell every poll may find something
+
+
+def test_an_engine_that_closes_its_end_is_answered_by_polls(daemon, shm):
+    """EPIPE: the daemon closes its end and queues what follows for polls."""
+    geo, fd = shm
+    with EngineClient(daemon.socket, "engine", 0, 1) as c:
+        c.register(geo, shm_fds=[fd], doorbell=True)
+        assert c.doorbell is not None
+        os.close(c.doorbell)
+        c.doorbell = None
+        c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
+        [done] = c.poll(10.0)
+        assert (done.request_id, done.status) == ("r", "failed")
+
+
+# --- the pipe's format, without a daemon -------------------------------------------------
+
+
+def records(*completions: P.Completion) -> bytes:
+    out = b""
+    for c in completions:
+        body = msgspec.msgpack.encode(c)
+        out += struct.pack("<I", len(body)) + body
+    return out
+
+
+def test_records_cut_anywhere_by_a_read_are_put_back_together():
+    a, b = P.Completion("a", "received", nbytes=64), P.Completion("b", "failed", [[1, 2]], "deadline")
+    data = records(a, b) + POLL_MARKER
+    for cut in range(len(data) + 1):
+        r = Records()
+        got1, poll1 = r.feed(data[:cut])
+        got2, poll2 = r.feed(data[cut:])
+        assert (got1 + got2, poll1 or poll2) == ([a, b], True)
+
+
+@pytest.mark.parametrize("data, why", [
+    (struct.pack("<I", 1 << 31) + b"x", "announced"),
+    (struct.pack("<I", 4093), "announced"),
+    (struct.pack("<I", 3) + b"\xc1\xc1\xc1", "undecodable"),
+    (records(P.Completion("a", "sent"))[:-1], ""),
+])
+def test_what_is_not_a_record_is_refused_by_name(data, why):
+    r = Records()
+    if not why:  # a cut record is no error: it waits for the rest
+        assert r.feed(data) == ([], False)
+        return
+    with pytest.raises(DoorbellError, match=why):
+        r.feed(data)
+
+
+def test_a_marker_that_does_not_fit_closes_the_daemon_s_end():
+    """The budget keeps room for the marker; were the pipe full anyway, the engine must still
+    learn to poll: the daemon's end closes, and the engine reads end-of-file."""
+    bell, read_end = Doorbell.make(records=True)
+    try:
+        while True:
+            try:
+                os.write(bell.fd, b"\0" * 4096)
+            except BlockingIOError:
+                break
+        assert not bell.push(P.Completion("a", "sent"))  # over the budget: queued
+        bell.tell()
+        assert bell.fd == -1
+        while os.read(read_end, 1 << 16):
+            pass  # the pipe's bytes, then end-of-file
+    finally:
+        bell.close()
+        os.close(read_end)

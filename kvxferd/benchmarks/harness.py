@@ -82,7 +82,9 @@ def daemons(n: int = 2, extra: Sequence[str] = ()) -> Iterator[list[DaemonProces
 class BenchEngine:
     """One engine rank registered with a daemon, its memory in this process."""
 
-    def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True, device: str = "cpu") -> None:
+    def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True, device: str = "cpu",
+                 doorbell: str = "") -> None:
+        """`doorbell`: "" none (the engine polls), "ring" a byte per batch, "records" the completions."""
         self.geo = geo
         fds: list[int] = []
         self.mmaps: list[mmap.mmap | VmmBuffer] = []
@@ -105,7 +107,8 @@ class BenchEngine:
                 if touch:
                     view[:] = 0x5A  # fault the pages in: measure copies, not page faults
                 self.views.append(view)
-            self.side_channel = self.client.register(geo, shm_fds=fds)
+            self.side_channel = self.client.register(geo, shm_fds=fds, doorbell=bool(doorbell),
+                                                     records=doorbell == "records")
         for fd in fds:
             os.close(fd)
         self.pending: dict[str, Completion] = {}

@@ -1,10 +1,13 @@
 """`kvxferd bench step`: what the vLLM connector's worker costs an engine per scheduler step
-when nothing finishes, with requests pending (held blocks whose consumers have not come).
+while transfers are pending, timed around `WorkerSide.results()`. Each call follows 2 ms of
+busy CPU, as an engine's own step would.
 
-Baseline, in the same run: one bare poll RPC to the daemon (what the worker paid per step
-before the doorbell). The worker as it ships reads its doorbell, a pipe the daemon writes a
-byte to when completions wait (`EngineClient.rung`), and polls only when it rang. Each call
-follows 2 ms of busy CPU, as an engine's own step would.
+* Nothing finishes (holds whose consumers have not come). Baseline, in the same run: one bare
+  poll RPC to the daemon, what the worker paid per step before the doorbell.
+* One read finishes each step (16 blocks from a prefill on a second daemon, posted before the
+  step's busy CPU, untimed). Baseline, in the same run: protocol 6's doorbell, a byte that says a
+  poll would find something, then the poll (a bare client: no bookkeeping). The worker as it
+  ships gets the completion itself from the doorbell (protocol 7).
 """
 
 from __future__ import annotations
@@ -12,64 +15,142 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from .. import protocol as P
 from ..client import EngineClient
 from ..memory import buffer_address, create_shm
 from ..plan.models import ModelShape, build
-from ..vllm.handoff import HoldOrder, Orders
+from ..vllm.handoff import HoldOrder, Orders, ReadOrder
 from ..vllm.shared_kv import SharedBuffer
 from ..vllm.worker import WorkerSide
-from .harness import daemons, pct
+from .harness import BenchEngine, daemons, pct
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
+READ_SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=64)
+BLOCKS = 16
+WORK_S = 0.002
+
+Row = dict[str, float | str]
 
 
-def _timed(call: Callable[[], object], n: int, work_s: float = 0.0) -> list[float]:
-    """Seconds per call; `work_s` of busy CPU between calls (the engine's own step)."""
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _timed(call: Callable[[], object], n: int, before: Callable[[int], object] | None = None) -> list[float]:
+    """Seconds per call; before each, `before(i)` (untimed) and the engine's own step (busy CPU)."""
     out = []
-    for _ in range(n):
-        if work_s:
-            end = time.perf_counter() + work_s
-            while time.perf_counter() < end:
-                pass
+    for i in range(n):
+        if before is not None:
+            before(i)
+        _busy(WORK_S)
         t0 = time.perf_counter()
         call()
         out.append(time.perf_counter() - t0)
     return out
 
 
-WORK_S = 0.002
+def _naming(post: Callable[[str], None], prefix: str) -> Callable[[int], None]:
+    """`post` for step i's own request id."""
+    return lambda i: post(f"{prefix} {i}")
 
 
-def run(steps: int = 2000, pending: int = 16) -> list[dict[str, float | str]]:
-    with daemons(1) as (daemon,):
-        geo = build(SHAPE, 1, 0)
-        fd, mm = create_shm(geo.buffers[0])
-        worker = WorkerSide(daemon.socket, "engine", 0, 1, read_deadline_s=30.0)
-        worker.register(geo, [SharedBuffer(fd, geo.buffers[0], buffer_address(mm), "shm", 0, [mm])], timeout_s=10)
-        worker.start(Orders([HoldOrder(f"r{i}", [[i]], 600.0) for i in range(pending)], []))
-        assert worker.client is not None and worker.client.doorbell is not None
-        fd2, mm2 = create_shm(geo.buffers[0])
-        rpc = EngineClient(daemon.socket, "engine-rpc", 0, 1)
-        rpc.register(geo, shm_fds=[fd2])
-        rows: list[dict[str, float | str]] = []
-        for name, call in (("bare poll RPC (baseline)", lambda: rpc.poll(0.0)),
-                           ("worker.results() (ships: doorbell)", worker.results)):
-            _timed(call, steps // 10, WORK_S)  # warm up
-            t = _timed(call, steps, WORK_S)
-            rows.append({"per_step": name, "pending": pending, "steps": steps,
-                         "p50_us": pct(t, 50) * 1e6, "p99_us": pct(t, 99) * 1e6})
-        rpc.close()
-        mm2.close()
-        worker.close()
-        mm.close()
+def _worker(socket: str, engine_id: str, shape: ModelShape) -> tuple[WorkerSide, object]:
+    geo = build(shape, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    worker = WorkerSide(socket, engine_id, 0, 1, read_deadline_s=30.0)
+    worker.register(geo, [SharedBuffer(fd, geo.buffers[0], buffer_address(mm), "shm", 0, [mm])], timeout_s=10)
+    assert worker.client is not None and worker.client.doorbell is not None
+    return worker, mm
+
+
+def _row(name: str, scenario: str, t: list[float], steps: int, **extra: float) -> Row:
+    return {"per_step": name, "scenario": scenario, "steps": steps, "p50_us": pct(t, 50) * 1e6,
+            "p99_us": pct(t, 99) * 1e6, **extra}
+
+
+def _nothing_finishes(socket: str, steps: int, pending: int) -> list[Row]:
+    worker, mm = _worker(socket, "engine", SHAPE)
+    worker.start(Orders([HoldOrder(f"r{i}", [[i]], 600.0) for i in range(pending)], []))
+    geo = build(SHAPE, 1, 0)
+    fd2, mm2 = create_shm(geo.buffers[0])
+    rpc = EngineClient(socket, "engine-rpc", 0, 1)
+    rpc.register(geo, shm_fds=[fd2])
+    rows = []
+    for name, call in (("bare poll RPC (baseline)", lambda: rpc.poll(0.0)),
+                       ("worker.results() (ships)", worker.results)):
+        _timed(call, steps // 10)  # warm up
+        rows.append(_row(name, "nothing finishes", _timed(call, steps), steps, pending=pending))
+    rpc.close()
+    worker.close()
+    for m in (mm, mm2):
+        m.close()  # type: ignore[attr-defined]
     return rows
 
 
-def render(rows: list[dict[str, float | str]]) -> str:
-    lines = [f"{'per engine step, nothing finishing':<38} {'p50 us':>8} {'p99 us':>8}"]
-    for r in rows:
-        lines.append(f"{r['per_step']!s:<38} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f}")
-    base, worker = rows[0]["p50_us"], rows[1]["p50_us"]
-    assert isinstance(base, float) and isinstance(worker, float)
-    lines.append(f"worker / baseline (p50): {worker / base:.3f}")
+def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> list[Row]:
+    """A read posted before each step's busy CPU, done by the time the step asks."""
+    geo = build(READ_SHAPE, 1, 0)
+    prefill = BenchEngine(prefill_socket, "prefill", geo)
+    host, port = prefill.side_channel.rsplit(":", 1)
+    blocks = [list(range(BLOCKS))]
+    worker, mm = _worker(decode_socket, "decode", READ_SHAPE)
+    ring = BenchEngine(decode_socket, "decode-ring", geo, doorbell="ring")
+    rows: list[Row] = []
+    found = {"n": 0}
+
+    def remote(rid: str) -> P.RemoteRef:
+        return P.RemoteRef("prefill", host, int(port), 1, rid)
+
+    def hold(rid: str) -> None:
+        prefill.client.hold(rid, 60.0, blocks)
+        prefill.client.poll(0.0)  # the prefill's own completions ("sent"), untimed
+
+    def post_worker(rid: str) -> None:
+        hold(rid)
+        worker.start(Orders([], [ReadOrder(rid, remote(rid), BLOCKS * READ_SHAPE.block_size, blocks, blocks)]))
+
+    def step_worker() -> None:
+        found["n"] += len(worker.results().recving)
+
+    def post_ring(rid: str) -> None:
+        hold(rid)
+        ring.client.read(rid, remote(rid), BLOCKS * READ_SHAPE.block_size, blocks, blocks)
+
+    def step_ring() -> None:
+        _, poll = ring.client.pushed()
+        if poll:
+            found["n"] += sum(c.status == "received" for c in ring.client.poll(0.0))
+
+    for name, post, call in (("doorbell ring + poll (protocol 6, baseline)", post_ring, step_ring),
+                             ("worker.results() (ships: records)", post_worker, step_worker)):
+        _timed(call, steps // 10, _naming(post, f"warm {name}"))
+        found["n"] = 0
+        t = _timed(call, steps, _naming(post, name))
+        rows.append(_row(name, "one read finishes", t, steps, found=found["n"] / steps))
+    ring.close()
+    worker.close()
+    mm.close()  # type: ignore[attr-defined]
+    prefill.close()
+    return rows
+
+
+def run(steps: int = 2000, pending: int = 16) -> list[Row]:
+    with daemons(2) as (decode, prefill):
+        return [*_nothing_finishes(decode.socket, steps, pending),
+                *_one_read_finishes(decode.socket, prefill.socket, steps)]
+
+
+def render(rows: list[Row]) -> str:
+    lines = [f"{'per engine step, transfers pending':<46} {'p50 us':>8} {'p99 us':>8}  found"]
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        group = [r for r in rows if r["scenario"] == scenario]
+        lines.append(f"{scenario}:")
+        for r in group:
+            found = f"{r['found']:.2f}" if "found" in r else "-"
+            lines.append(f"  {r['per_step']!s:<44} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f}  {found}")
+        base, worker = group[0]["p50_us"], group[1]["p50_us"]
+        assert isinstance(base, float) and isinstance(worker, float)
+        lines.append(f"  worker / baseline (p50): {worker / base:.3f}")
     return "\n".join(lines)

@@ -3,9 +3,9 @@
     register_kv_caches -> KV moved into shareable memory (shared_kv), described (layout),
                           registered with the daemon (fds over the Unix socket)
     each step:  orders from the scheduler -> one batch frame (expects, holds, reads, releases)
-                doorbell read (only while something is pending; a pipe the daemon writes a
-                byte to when completions wait) -> a poll only if it rang -> finished sending / receiving,
-                failed reads' block ids -> vLLM's kv_load_failure_policy
+                doorbell read (only while something is pending; a pipe the daemon writes the
+                completions into, doorbell.py) -> a poll only if it asked for one -> finished
+                sending / receiving, failed reads' block ids -> vLLM's kv_load_failure_policy
                 (a step with no tokens scheduled waits up to `idle_wait_s` on the doorbell:
                 vLLM steps an engine without pause while transfers are pending, and a step
                 that only reads a pipe would spin its cores)
@@ -52,7 +52,7 @@ class TransferStats:
     sent: int = 0  # holds whose consumers all read them
     expired: int = 0  # holds whose lease passed first
     # per step that schedules tokens while transfers are pending: what learning about finished
-    # transfers cost it (the doorbell read, and a poll when it rang)
+    # transfers cost it (the doorbell read, and a poll when it asked for one)
     step_seconds: list[float] = field(default_factory=list)
 
     def empty(self) -> bool:
@@ -85,7 +85,7 @@ class WorkerSide:
         self.accepted: dict[str, float] = {}
         self.daemon_agent = ""  # the daemon instance connected last (a new agent: it restarted)
         self.max_lease_s = 0.0  # the daemon's: how long claims may keep a hold
-        self.poll_again = False  # a poll was refused after the doorbell was drained
+        self.poll_again = False  # a poll was refused after the doorbell asked for one
         self.reading: dict[str, ReadOrder] = {}
         self.releasing: set[str] = set()
         self.finished = Finished()
@@ -235,7 +235,7 @@ class WorkerSide:
     # --- completions -----------------------------------------------------------------
     def results(self) -> Finished:
         """Finished transfers since the last step. While something is pending, a step reads the
-        doorbell (no round trip) and polls only when the daemon rang it."""
+        doorbell (no round trip) and polls only when the daemon asked it to."""
         with self.lock:
             if self.reading or self.releasing or self.holds:
                 waiting = self.idle_step and not (self.finished.sending or self.finished.recving)
@@ -248,14 +248,18 @@ class WorkerSide:
             return finished
 
     def _collect(self, wait_s: float) -> None:
-        """Take the daemon's completions, waiting up to `wait_s` for one: on the doorbell, then
-        one poll if it rang; a daemon without doorbells (before protocol 5) is long-polled."""
+        """Take the daemon's completions, waiting up to `wait_s` for one: from the doorbell (the
+        completions themselves, protocol 7), then one poll only if it asked for one; a daemon
+        without doorbells (before protocol 5) is long-polled."""
         if self.client is None:
             return
         try:
             if self.client.doorbell is None:
                 self._poll(wait_s)
-            elif self.client.rung(0.0 if self.poll_again else wait_s) or self.poll_again:
+                return
+            pushed, poll = self.client.pushed(0.0 if self.poll_again else wait_s)
+            self._take(pushed)
+            if poll or self.poll_again:
                 self._poll(0.0)
         except OSError as exc:
             self._lost(exc)
@@ -269,9 +273,12 @@ class WorkerSide:
             return
         except DaemonError as exc:
             log.warning("kvxferd poll refused: %s", exc)
-            self.poll_again = True  # the doorbell was drained: it rings again only after a poll
+            self.poll_again = True  # the doorbell asked once: it asks again only after a poll
             return
         self.poll_again = False
+        self._take(completions)
+
+    def _take(self, completions: list[P.Completion]) -> None:
         for c in completions:
             if c.status in ("sent", "expired"):
                 self.accepted.pop(c.request_id, None)

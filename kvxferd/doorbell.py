@@ -1,0 +1,144 @@
+"""The completion doorbell: a pipe from the daemon to one engine rank (protocol 5 and later).
+
+The daemon makes the pipe and keeps its write end (non-blocking); the engine gets the read end
+with its `registered` reply. Nothing the engine does to its end can make the daemon wait.
+
+Protocol 5-6 ("ring"): the daemon writes one byte when completions wait for a poll; the engine
+polls only after a byte. Protocol 7 ("records"): the completions themselves travel in the pipe,
+so a step learns what finished with one `read(2)` and no round trip:
+
+    one write(2) per record, at most PIPE_BUF (4096) bytes: atomic, never split or interleaved
+    +-------------+------------------------------------+
+    | u32 LE  n   | n bytes: a msgpack `Completion`     |
+    +-------------+------------------------------------+
+    n == 0: the poll marker: completions wait in the daemon's queue, poll for them
+
+A completion goes to the queue instead (and the marker into the pipe, once, until the engine
+polls) when its record is larger than PIPE_BUF, or when the pipe already holds a quarter of its
+capacity (an engine that stopped reading). Once one is queued, later ones queue behind it until
+a poll has taken them all, so the engine sees every rank's completions in order. The quarter
+keeps room for the marker: a record takes at most one of the pipe's page slots, and two
+neighbouring slots hold more than a page between them, so a quarter's worth of bytes fills at
+most half the slots plus two. A marker that does not fit anyway closes the pipe: the engine
+reads end-of-file and polls every step from then on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import select
+import struct
+import termios
+
+import msgspec
+
+from . import protocol as P
+
+log = logging.getLogger("kvxferd")
+
+HEADER = struct.Struct("<I")
+MAX_RECORD = select.PIPE_BUF  # header included: a larger write to a pipe may be split
+POLL_MARKER = HEADER.pack(0)
+RING = b"\x01"
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(P.Completion)
+
+
+class DoorbellError(Exception):
+    """The pipe carried something that is not a record."""
+
+
+def queued_bytes(fd: int) -> int:
+    """Bytes written to a pipe and not yet read (FIONREAD works on either end)."""
+    return int(HEADER.unpack(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+
+
+class Doorbell:
+    """The daemon's end of one rank's doorbell. Owns the write end and whether the engine has
+    been told that completions wait in the queue (`told`, until its next poll)."""
+
+    def __init__(self, write_end: int, records: bool) -> None:
+        self.fd, self.records = write_end, records
+        self.budget = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // 4
+        self.told = False
+
+    @classmethod
+    def make(cls, records: bool) -> tuple[Doorbell, int]:
+        """A new pipe: the daemon's end, and the read end for the engine (send it, then close it)."""
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        return cls(write_end, records), read_end
+
+    def push(self, c: P.Completion) -> bool:
+        """Records mode: write `c` into the pipe. False: it goes to the queue (see the module)."""
+        if not self.records or self.told or self.fd < 0:
+            return False
+        body = _encoder.encode(c)
+        record = HEADER.pack(len(body)) + body
+        if len(record) > MAX_RECORD or queued_bytes(self.fd) + len(record) > self.budget:
+            return False
+        return self._write(record)
+
+    def tell(self) -> None:
+        """A completion was queued: say so once until the engine polls (a byte, or the marker)."""
+        if self.told or self.fd < 0:
+            return
+        self.told = True
+        if not self._write(POLL_MARKER if self.records else RING) and self.records and self.fd >= 0:
+            log.warning("doorbell full past its budget; closed: the engine polls every step")
+            self.close()
+
+    def polled(self, left: bool) -> None:
+        """The engine polled; `left`: completions remain queued (more than one poll's worth)."""
+        self.told = False
+        if left:
+            self.tell()
+
+    def _write(self, data: bytes) -> bool:
+        try:
+            os.write(self.fd, data)
+            return True
+        except BlockingIOError:
+            return False  # ring mode: a full pipe is rung already
+        except OSError as exc:  # EPIPE: the engine closed its end
+            log.info("doorbell closed by the engine (%s); it polls without it", exc)
+            self.close()
+            return False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Records:
+    """The engine's side of a records doorbell: parses what `read(2)` returned into
+    completions, and whether the marker asked for a poll. Bounded: a length over PIPE_BUF
+    is not a record (`DoorbellError`)."""
+
+    def __init__(self) -> None:
+        self.pending = bytearray()  # the start of a record a read cut (at most MAX_RECORD)
+
+    def feed(self, data: bytes) -> tuple[list[P.Completion], bool]:
+        buf = self.pending + data if self.pending else data
+        out: list[P.Completion] = []
+        poll = False
+        at = 0
+        while len(buf) - at >= HEADER.size:
+            (n,) = HEADER.unpack_from(buf, at)
+            if n > MAX_RECORD - HEADER.size:
+                raise DoorbellError(f"record of {n} B announced; at most {MAX_RECORD - HEADER.size}")
+            if len(buf) - at - HEADER.size < n:
+                break
+            if n == 0:
+                poll = True
+            else:
+                try:
+                    out.append(_decoder.decode(buf[at + HEADER.size:at + HEADER.size + n]))
+                except msgspec.DecodeError as exc:
+                    raise DoorbellError(f"undecodable record: {exc}") from None
+            at += HEADER.size + n
+        self.pending = bytearray(buf[at:])
+        return out, poll
