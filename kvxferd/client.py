@@ -299,23 +299,23 @@ class EngineClient:
             self._bell.register(self.doorbell, select.POLLIN)
         if not self._bell.poll(wait_s * 1000):  # nothing came (no exception raised: the common case)
             return [], False
-        data, ended = bytearray(), False
-        while True:
+        chunks, ended = [], False
+        while True:  # one read, unless the pipe held more than one read's worth
             try:
                 chunk = os.read(self.doorbell, 1 << 16)
             except BlockingIOError:
                 break
-            data += chunk
             if not chunk:  # the daemon closed its end: poll from now on
                 ended = True
                 break
+            chunks.append(chunk)
             if len(chunk) < 1 << 16:
                 break
         completions: list[P.Completion] = []
-        poll = bool(data) and self._records is None
-        if self._records is not None:
+        poll = bool(chunks) and self._records is None
+        if self._records is not None and chunks:
             try:
-                completions, poll = self._records.feed(bytes(data))
+                completions, poll = self._records.feed(chunks[0] if len(chunks) == 1 else b"".join(chunks))
             except DoorbellError as exc:
                 log.error("kvxferd doorbell of engine %s rank %d unreadable (%s); polling from now on",
                           self.engine_id, self.rank, exc)

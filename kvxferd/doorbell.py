@@ -122,7 +122,7 @@ class Records:
         self.pending = bytearray()  # the start of a record a read cut (at most MAX_RECORD)
 
     def feed(self, data: bytes) -> tuple[list[P.Completion], bool]:
-        buf = self.pending + data if self.pending else data
+        buf = memoryview(self.pending + data if self.pending else data)
         out: list[P.Completion] = []
         poll = False
         at = 0
@@ -130,15 +130,16 @@ class Records:
             (n,) = HEADER.unpack_from(buf, at)
             if n > MAX_RECORD - HEADER.size:
                 raise DoorbellError(f"record of {n} B announced; at most {MAX_RECORD - HEADER.size}")
-            if len(buf) - at - HEADER.size < n:
+            start = at + HEADER.size
+            if len(buf) - start < n:
                 break
             if n == 0:
                 poll = True
             else:
                 try:
-                    out.append(_decoder.decode(buf[at + HEADER.size:at + HEADER.size + n]))
+                    out.append(_decoder.decode(buf[start:start + n]))
                 except msgspec.DecodeError as exc:
                     raise DoorbellError(f"undecodable record: {exc}") from None
-            at += HEADER.size + n
-        self.pending = bytearray(buf[at:])
+            at = start + n
+        self.pending = bytearray(buf[at:]) if at < len(buf) else bytearray()
         return out, poll
