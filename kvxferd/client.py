@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import logging
 import os
 import select
 import socket
@@ -36,7 +35,7 @@ Completion = P.Completion
 MemoryHandle = P.MemoryHandle
 BlockLists = Iterable[Iterable[int]]
 R = TypeVar("R", bound=P.Msg)
-log = logging.getLogger("kvxferd.client")
+MAX_READS = 16  # per pushed() call, of 64 KiB each: a daemon that keeps the pipe full cannot hold a step
 
 
 class DaemonError(RuntimeError):
@@ -258,13 +257,14 @@ class EngineClient:
         self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
-                 fds: Sequence[int] = (), doorbell: bool = False, records: bool = True) -> str:
+                 fds: Sequence[int] = (), doorbell: bool = False, records: bool = False) -> str:
         """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
 
         `doorbell`: ask the daemon (protocol 5 and later) for a doorbell pipe, so that `pushed()`
-        learns without a round trip what finished: the completions themselves (protocol 7,
-        `records`), or a byte saying a poll would find some. The daemon keeps the write end:
-        nothing the engine does can block it.
+        learns without a round trip what finished: a byte saying a poll would find some, or with
+        `records` (protocol 7) the completions themselves, which then no longer come by `poll`
+        unless the pipe asks for one. The daemon keeps the write end: nothing the engine does
+        can block it.
         """
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
         if doorbell and self.rpc.version >= 5:
@@ -274,6 +274,7 @@ class EngineClient:
         if reply.doorbell:  # the pipe's read end came with the reply
             bell = self.rpc.reader.take_fds(1)[0]
             os.set_blocking(bell, False)
+            os.set_inheritable(bell, False)  # a child holding it would keep the daemon writing to no one
         self.rpc.reader.close()  # anything else a reply carried is not ours to keep
         self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
@@ -291,7 +292,8 @@ class EngineClient:
         """What the doorbell brought since the last call, without a round trip: the completions
         it carried (protocol 7), and whether a poll may find more (a ring, the poll marker, or no
         doorbell: then every poll may). With `wait_s`, waits that long for the pipe first (the
-        engine's process sleeps meanwhile)."""
+        engine's process sleeps meanwhile). A pipe that carries what is not a record raises
+        `DoorbellError`, a `ConnectionError`: treat it as the daemon's connection lost."""
         if self.doorbell is None:
             return [], True
         if self._bell is None:
@@ -300,7 +302,7 @@ class EngineClient:
         if not self._bell.poll(wait_s * 1000):  # nothing came (no exception raised: the common case)
             return [], False
         chunks, ended = [], False
-        while True:  # one read, unless the pipe held more than one read's worth
+        for _ in range(MAX_READS):  # one read, unless the pipe held more than one read's worth
             try:
                 chunk = os.read(self.doorbell, 1 << 16)
             except BlockingIOError:
@@ -316,13 +318,19 @@ class EngineClient:
         if self._records is not None and chunks:
             try:
                 completions, poll = self._records.feed(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-            except DoorbellError as exc:
-                log.error("kvxferd doorbell of engine %s rank %d unreadable (%s); polling from now on",
-                          self.engine_id, self.rank, exc)
-                ended = True
+            except DoorbellError:
+                self._close_doorbell()
+                raise
         if ended:
             self._close_doorbell()
         return completions, poll or ended
+
+    def rung(self, wait_s: float = 0.0) -> bool:
+        """Protocol 5-6's question, for a doorbell without records: whether a poll may find
+        completions (the bytes the daemon wrote are consumed)."""
+        if self._records is not None:
+            raise RuntimeError("this doorbell carries the completions: read them with pushed()")
+        return self.pushed(wait_s)[1]
 
     def unregister(self) -> None:
         self.rpc.call(self.requests.unregister(), P.Ok)

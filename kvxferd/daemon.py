@@ -345,6 +345,7 @@ class Daemon:
                 if version not in P.SUPPORTED_VERSIONS:
                     raise RequestError("version", f"protocol version {version} unsupported; "
                                                   f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
+                conn.protocol = version
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
             case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe, doorbell_records=records):
                 # A protocol 3-4 eventfd is taken and closed unrung: its open file is the engine's too,
@@ -354,7 +355,7 @@ class Daemon:
                 if pipe:
                     conn.send_with_next_reply(er.open_doorbell(records))
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
-                                    pipe and records)
+                                    pipe and records).for_version(conn.protocol or P.PROTOCOL_VERSION)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):

@@ -47,8 +47,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(P.Completion)
 
 
-class DoorbellError(Exception):
-    """The pipe carried something that is not a record."""
+class DoorbellError(ConnectionError):
+    """The pipe carried something that is not a record: what the daemon says can no longer be
+    trusted, as if its connection were lost."""
 
 
 def queued_bytes(fd: int) -> int:
@@ -74,6 +75,8 @@ class Doorbell:
     def push(self, c: P.Completion) -> bool:
         """Records mode: write `c` into the pipe. False: it goes to the queue (see the module)."""
         if not self.records or self.told or self.fd < 0:
+            return False
+        if sum(map(len, c.block_ids)) >= MAX_RECORD:  # a byte per id at least: not worth encoding
             return False
         body = _encoder.encode(c)
         record = HEADER.pack(len(body)) + body

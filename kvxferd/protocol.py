@@ -65,7 +65,7 @@ class Hello(Msg, tag="hello"):
     client: str = ""
 
 
-class Register(Msg, tag="register"):
+class Register(Msg, tag="register", omit_defaults=True):  # fields at their default not sent (Registered)
     engine_id: Name
     tp_rank: Rank
     tp_size: TpSize
@@ -179,6 +179,13 @@ class Registered(Msg, tag="registered", omit_defaults=True):
     # for them to a decode reading them.
     max_lease_s: float = 0.0
     doorbell_records: bool = False  # protocol 7: the doorbell carries completion records (doorbell.py)
+
+    def for_version(self, version: int) -> Registered:
+        """This reply as a client of `version` can decode it: fields it predates left at their
+        default (and so not sent)."""
+        since = {"doorbell": (3, False), "token": (3, ""), "max_lease_s": (6, 0.0), "doorbell_records": (7, False)}
+        older = {name: default for name, (v, default) in since.items() if version < v}
+        return msgspec.structs.replace(self, **older) if older else self
 
 
 class Ok(Msg, tag="ok"):

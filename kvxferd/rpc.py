@@ -166,6 +166,7 @@ class ServerConnection:
         self.reader = FrameReader(max_frame)
         self.credentials = peer_credentials(sock)
         self.budget = budget or UidBudget()
+        self.protocol = 0  # the version its hello named (0: none yet): what its replies may carry
         self._pending: asyncio.Future[bytes] | None = None  # the async reply being computed
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun must complete in time
         self._linger: asyncio.TimerHandle | None = None

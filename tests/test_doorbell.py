@@ -58,7 +58,7 @@ def pushed_within(c: EngineClient, seconds: float, want: int = 1) -> tuple[list[
 def test_a_completion_comes_in_the_doorbell_and_no_poll_is_needed(daemon, shm):
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
-        c.register(geo, shm_fds=[fd], doorbell=True)
+        c.register(geo, shm_fds=[fd], doorbell=True, records=True)
         assert c.doorbell is not None
         assert c.pushed() == ([], False)  # nothing queued yet
         c.hold("held", 600.0, [[1]])  # a hold alone completes nothing
@@ -108,7 +108,7 @@ def test_a_record_too_large_for_one_write_goes_to_the_queue_and_later_ones_follo
     fd, mm = create_shm(geo.buffers[0])
     try:
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
-            c.register(geo, shm_fds=[fd], doorbell=True)
+            c.register(geo, shm_fds=[fd], doorbell=True, records=True)
             big = list(range(1000, 3000))  # 3 B each in msgpack: ~6 KB
             c.read("big", NOBODY, 8, [big], [big], DEADLINE_S)
             time.sleep(0.2)
@@ -131,7 +131,7 @@ def test_an_engine_that_stops_reading_fills_a_quarter_of_its_pipe_then_the_queue
     fd, mm = create_shm(geo.buffers[0])
     try:
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
-            c.register(geo, shm_fds=[fd], doorbell=True)
+            c.register(geo, shm_fds=[fd], doorbell=True, records=True)
             assert c.doorbell is not None
             n = 40
             for i in range(n):  # ~1 KB records: 40 KB in all, past a quarter of a 64 KiB pipe
@@ -178,10 +178,10 @@ def test_an_engine_made_doorbell_is_closed_unrung(daemon, shm):
 
 def test_the_engine_cannot_make_the_daemon_s_end_blocking(daemon, shm):
     """The engine holds only the read end: making it blocking leaves the daemon's write end
-    non-blocking (a separate open file), as /proc shows, and rings still arrive."""
+    non-blocking (a separate open file), as /proc shows, and records still arrive."""
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
-        c.register(geo, shm_fds=[fd], doorbell=True)
+        c.register(geo, shm_fds=[fd], doorbell=True, records=True)
         assert c.doorbell is not None
         os.set_blocking(c.doorbell, True)
         inode = os.fstat(c.doorbell).st_ino
@@ -206,7 +206,7 @@ def test_a_protocol_2_client_has_no_doorbell_and_polls_every_time(daemon, shm):
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
         c.rpc.version = 2  # what the client learns from a daemon that speaks protocol 2
-        c.register(geo, shm_fds=[fd], doorbell=True)
+        c.register(geo, shm_fds=[fd], doorbell=True, records=True)
         assert c.doorbell is None
         assert c.pushed() == ([], True)  # without a doorbell every poll may find something
 
@@ -278,3 +278,61 @@ def test_a_marker_that_does_not_fit_closes_the_daemon_s_end():
     finally:
         bell.close()
         os.close(read_end)
+
+
+def test_an_engine_that_shrank_its_pipe_still_gets_every_completion(daemon):
+    """The budget is a quarter of the pipe as the daemon made it; an engine that shrinks it to
+    one page makes records stop fitting early: the rest queue behind the marker, for a poll.
+    (Were the marker not to fit either, the daemon's end closes: the test below the daemon's.)"""
+    geo = build(BIG_SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "engine", 0, 1) as c:
+            c.register(geo, shm_fds=[fd], doorbell=True, records=True)
+            assert c.doorbell is not None
+            fcntl.fcntl(c.doorbell, fcntl.F_SETPIPE_SZ, 4096)
+            n = 12
+            for i in range(n):  # ~1 KB records: 12 KB, past the one page left
+                blocks = list(range(1000 + i * 400, 1000 + i * 400 + 350))
+                c.read(f"r{i}", NOBODY, 8, [blocks], [blocks], DEADLINE_S)
+            deadline = time.monotonic() + 20
+            while in_flight(daemon) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            got, poll = c.pushed()
+            assert poll and 0 < len(got) < n
+            names = [x.request_id for x in got + c.poll(0.0)]
+            assert sorted(names) == sorted(f"r{i}" for i in range(n)) and len(set(names)) == n
+    finally:
+        os.close(fd)
+        mm.close()
+
+
+def test_a_reply_carries_only_the_fields_the_client_s_version_knows(daemon, shm, monkeypatch):
+    """Clients refuse unknown fields: `registered` leaves out what a version predates."""
+    import kvxferd.client as client_mod
+
+    bodies: list[bytes] = []
+    real = client_mod._reply
+    monkeypatch.setattr(client_mod, "_reply", lambda body, expect: (bodies.append(bytes(body)), real(body, expect))[1])
+    geo, fd = shm
+    for version, fields in ((2, {"side_channel", "agent"}),
+                            (6, {"side_channel", "agent", "token", "max_lease_s"}),
+                            (7, {"side_channel", "agent", "token", "max_lease_s"})):
+        monkeypatch.setattr(P, "PROTOCOL_VERSION", version)  # the hello this client sends
+        with EngineClient(daemon.socket, f"v{version}", 0, 1) as c:
+            msg, sent = c.requests.register(geo, shm_fds=[fd])
+            c.rpc.call(msg, P.Registered, sent)
+        assert set(msgspec.msgpack.decode(bodies[-1])) - {"op"} == fields
+
+
+def test_a_pipe_that_carries_what_is_not_a_record_is_a_lost_connection():
+    read_end, write_end = os.pipe2(os.O_NONBLOCK)
+    c = EngineClient.__new__(EngineClient)
+    c.doorbell, c._bell, c._records = read_end, None, Records()
+    try:
+        os.write(write_end, struct.pack("<I", 1 << 20))
+        with pytest.raises(ConnectionError, match="announced"):
+            c.pushed()
+        assert c.doorbell is None  # closed: the engine treats the daemon as gone
+    finally:
+        os.close(write_end)

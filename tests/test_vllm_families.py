@@ -52,6 +52,10 @@ F32 = 4
 # deadline (each daemon logged its event loop held 58-61 s, an audit's digest 43 s).
 KV_BLOCKS = 1024
 LEASE_S = 45.0  # a TP 2 rank on a busy 2-core machine has taken over 20 s to read and audit
+# This VM has stopped every process at once for up to 66 s (all daemons' loops held together, no
+# OOM): a read's deadline outlasts that, so the tests measure kvxferd, not the host's worst
+# minute. Claims keep the prefill's hold alive meanwhile (up to the daemons' max_lease_s).
+READ_DEADLINE_S = 150.0
 FAMILIES = [
     # 3 sliding-window groups (window 64) + 1 full, one layer each, 2 KV heads x (K|V 2 x 64) x 32 tokens
     Family("gemma3", "float32", 32, True, True, True, (2 * 32 * 128 * F32,) * 4),
@@ -101,13 +105,14 @@ class World:
         self.metrics = {"b": self.db.metrics_address, "c": self.dc.metrics_address if self.dc else ""}
         common = dict(dtype=family.dtype, block_size=family.block_size, prefix_caching=family.prefix_caching,
                       connector="kvxferd", args=["--num-gpu-blocks-override", str(KV_BLOCKS)])
-        lease = {"lease_s": LEASE_S}  # a refused read leaves its prefill hold to the lease
+        lease = {"lease_s": LEASE_S, "read_deadline_s": READ_DEADLINE_S}  # a refused read: hold ends by lease
         self.a = VllmServer(workdir, f"{family.name}-A", model, role="kv_producer", socket=self.da.socket,
                             cores="nobind", extra_config=lease, **common)
         self.o = VllmServer(workdir, f"{family.name}-O", other, role="kv_producer", socket=self.da.socket,
                             cores="nobind", extra_config=lease, **common)
         self.b = VllmServer(workdir, f"{family.name}-B", model, role="kv_consumer", socket=self.db.socket,
-                            cores="nobind", extra_config={"enforce_handshake_compat": False}, **common)
+                            cores="nobind", extra_config={"enforce_handshake_compat": False,
+                                                          "read_deadline_s": READ_DEADLINE_S}, **common)
         self.c = VllmServer(workdir, f"{family.name}-C", model, role="kv_both", socket=self.dc.socket, tp=2,
                             cores="0|1", extra_config=lease, **common) if self.dc else None
         start(*[s for s in (self.a, self.o, self.b, self.c) if s is not None])

@@ -3,6 +3,8 @@ dies and comes back while the engine is idle."""
 
 from __future__ import annotations
 
+import select
+
 import pytest
 from vllm_world import daemon_status, wait_until
 
@@ -95,6 +97,21 @@ def test_a_step_learns_what_finished_without_a_round_trip(daemon):
     w.start(Orders([], [], idle=True))
     w.results()
     assert w.take_stats().step_seconds == []  # nothing pending, and an idle step waits by design
+    w.close()
+
+
+def test_what_the_doorbell_held_when_the_daemon_went_still_counts(daemon):
+    """A hold's expiry sits in the doorbell, unread, when the daemon stops: the worker takes it
+    before it drops the connection, so the blocks are freed now instead of kept for the daemon's
+    max lease (what a lost connection does to holds the daemon had accepted)."""
+    w = make_worker(daemon)
+    w.start(Orders([HoldOrder("r1", [[1, 2]], 0.3)], [], idle=False))
+    assert w.client is not None and w.client.doorbell is not None
+    doorbell = w.client.doorbell
+    wait_until("the expiry in the doorbell", lambda: select.select([doorbell], [], [], 0)[0], 10, 0.05)
+    daemon.stop()
+    wait_until("the worker notices", lambda: w.client is None, 10, 0.05)
+    assert w.results().sending == {"r1"} and w.take_stats().expired == 1
     w.close()
 
 

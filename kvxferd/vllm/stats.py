@@ -12,7 +12,7 @@ aggregates them across workers and steps (`KvxferdStats.aggregate`) and records 
     vllm:kvxferd_step_seconds            histogram  what a step that schedules tokens paid the
                                                     connector to learn about finished transfers
                                                     while transfers were pending (doorbell read,
-                                                    and a poll when it rang)
+                                                    and a poll when it asked for one)
 
 The daemon's own `kvxferd_*` series (per peer, per outcome) stay on its metrics port.
 """

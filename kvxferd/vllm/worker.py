@@ -32,6 +32,7 @@ import msgspec
 from .. import protocol as P
 from ..client import DaemonError, EngineClient, MemoryHandle, Order
 from ..plan.geometry import Geometry
+from ..rpc import FrameError
 from .handoff import ExpectOrder, HoldOrder, Orders, ReadOrder
 from .shared_kv import SharedBuffer
 
@@ -115,7 +116,7 @@ class WorkerSide:
         try:
             memory = [MemoryHandle(b.kind, b.nbytes, b.device) for b in self.buffers]
             side = client.register(self.geometry, memory=memory, fds=[b.fd for b in self.buffers],
-                                   doorbell=True)
+                                   doorbell=True, records=True)
             now = time.monotonic()
             accepted = {}  # the worker's only once every hold is taken (a failure below leaves none)
             for request_id, (order, end) in list(self.holds.items()):
@@ -151,6 +152,11 @@ class WorkerSide:
 
     def _lost(self, exc: Exception) -> None:
         """The daemon went away: reads in flight are lost, holds wait for the next daemon."""
+        if self.client is not None:
+            try:  # what the daemon wrote to the doorbell before it went is still true
+                self._take(self.client.pushed()[0])
+            except OSError:
+                pass  # an unreadable doorbell: what it held is lost with the connection
         log.warning("kvxferd: connection to the daemon lost (%s); %d reads fail, %d holds kept", exc,
                     len(self.reading), len(self.holds))
         if self.client is not None:
@@ -261,14 +267,14 @@ class WorkerSide:
             self._take(pushed)
             if poll or self.poll_again:
                 self._poll(0.0)
-        except OSError as exc:
+        except OSError as exc:  # DoorbellError too: the pipe carried what is not a record
             self._lost(exc)
 
     def _poll(self, wait_s: float) -> None:
         assert self.client is not None
         try:
             completions = self.client.poll(wait_s)
-        except OSError as exc:
+        except (OSError, FrameError, msgspec.DecodeError) as exc:  # a reply not understood: the stream is lost
             self._lost(exc)
             return
         except DaemonError as exc:
