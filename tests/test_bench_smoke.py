@@ -33,7 +33,9 @@ def test_bench_step_runs():
     assert [(r["scenario"], r["per_step"]) for r in rows] == [
         ("nothing finishes", "bare poll RPC (baseline)"), ("nothing finishes", "worker.results() (ships)"),
         ("one read finishes", "doorbell ring + poll (protocol 6, baseline)"),
-        ("one read finishes", "worker.results() (ships: records)")]
+        ("one read finishes", "worker.results() (ships: records)"),
+        ("in one process (the floor)", "daemon: Doorbell.push()"),
+        ("in one process (the floor)", "engine: EngineClient.pushed()")]
     assert all(r["p50_us"] > 0 for r in rows) and step.render(rows).count("worker / baseline") == 2
     assert rows[2]["found"] > 0.5 and rows[3]["found"] > 0.5  # the reads did finish within their steps
 
