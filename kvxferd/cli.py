@@ -157,7 +157,8 @@ def bench_control(
     as_json: bool = typer.Option(False, "--json"),
     requests: int = typer.Option(2000, help="Requests per concurrency level."),
 ) -> None:
-    """Requests/s and latency at 1, 16 and 256 concurrent reads of 16 blocks."""
+    """Requests/s and latency at 1, 16 and 256 concurrent reads of 16 blocks, the engine learning
+    of completions by long polls and from its doorbell."""
     from .benchmarks import control
 
     rows = control.run(requests=requests)

@@ -16,10 +16,13 @@ def test_bench_data_runs():
 
 
 def test_bench_control_runs():
-    row, batched = control.run(levels=(4,), requests=40, batched=(8,), batch=4)
-    assert row["requests"] == 40 and row["req_per_s"] > 0
-    assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
-    assert (batched["batch"], batched["requests"]) == (4, 40) and batched["req_per_s"] > 0
+    rows = control.run(levels=(4,), requests=40, batched=(8,), batch=4)
+    assert [(r["batch"], r["completions"]) for r in rows] == [(1, "poll"), (1, "doorbell"), (4, "poll"),
+                                                              (4, "doorbell")]
+    for row in rows:  # every read came back "received" (asserted inside), by polls or the doorbell
+        assert row["requests"] == 40 and row["req_per_s"] > 0
+        assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
+    assert "doorbell / poll" in control.render(rows)
 
 
 def test_bench_leases_runs():

@@ -1,5 +1,7 @@
 """`kvxferd bench control`: requests/s and latency of the control path at 1, 16 and 256
 concurrent reads of 16 blocks (TP 1 -> 1, small pages so that the data plane is not the limit).
+Each level twice: the engine learning of completions by long polls (the baseline), then from
+its doorbell's records (protocol 7).
 
 Client latency: read call -> completion delivered to the engine. Daemon latency, measured
 inside the decode daemon: read RPC received -> READs posted, and -> completion queued. The
@@ -13,11 +15,14 @@ goes out with the READ) and for one it announced (`expect`, as vLLM's connector 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import time
 from collections.abc import Callable, Iterable
 
 from .. import protocol as P
 from ..client import AsyncEngineClient, Completion, RemoteRef
+from ..doorbell import Records
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, environment, median, pct
@@ -28,8 +33,9 @@ BLOCKS = 16
 
 async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
                  requests: int, batch: int = 1, prefill: tuple[str, str] = ("", ""),
-                 announce: bool = False, pause_s: float = 0.0) -> tuple[float, list[float]]:
-    """`requests` reads, `concurrency` in flight; one connection posts, another streams completions.
+                 announce: bool = False, pause_s: float = 0.0, bell: int | None = None) -> tuple[float, list[float]]:
+    """`requests` reads, `concurrency` in flight; one connection posts, another streams completions
+    (long polls), or with `bell` they come in the decode engine's doorbell (protocol 7 records).
 
     `batch` > 1: reads go `batch` to a frame (protocol 2), posted whenever that many slots are free.
     `prefill`: the prefill engine's socket and token; it holds each request first (untimed).
@@ -45,12 +51,38 @@ async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remot
     waiting: dict[str, asyncio.Future[Completion]] = {}
     latencies: list[float] = []
 
+    def deliver(completions: list[Completion]) -> None:
+        for c in completions:
+            fut = waiting.pop(c.request_id, None)
+            if fut is not None:
+                fut.set_result(c)
+
     async def pump() -> None:
         while True:
-            for c in await poller.poll(wait_s=1.0):
-                fut = waiting.pop(c.request_id, None)
-                if fut is not None:
-                    fut.set_result(c)
+            deliver(await poller.poll(wait_s=1.0))
+
+    async def pump_doorbell(fd: int) -> None:
+        """Records as the pipe becomes readable; a poll only when it asks for one."""
+        records, readable = Records(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                await readable.wait()
+                readable.clear()
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not data:  # the daemon closed its end: long polls from now on
+                    break
+                items, poll = records.feed(data)
+                deliver(items)
+                if poll:
+                    deliver(await poller.poll(0.0))
+        finally:
+            loop.remove_reader(fd)
+        await pump()
 
     async def one(i: int, slot: int) -> None:
         rid = f"c{concurrency}-{i}"
@@ -69,7 +101,7 @@ async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remot
         latencies.append(time.perf_counter() - t0)
         assert c.status == "received", c
 
-    pump_task = asyncio.create_task(pump())
+    pump_task = asyncio.create_task(pump() if bell is None else pump_doorbell(bell))
     await one(-1, 0)  # handshake and plan outside the measurement
     latencies.clear()
     if batch > 1:
@@ -144,22 +176,28 @@ async def _batched(poster: AsyncEngineClient, holder: AsyncEngineClient, waiting
     await asyncio.gather(*tasks)
 
 
+COMPLETIONS = ("poll", "doorbell")  # how the engine learns of them: long polls, or records in its doorbell
+
+
 def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
-        batched: Iterable[int] = (256,), batch: int = 16) -> list[dict[str, float]]:
-    """One row per level, then per `batched` level the same reads `batch` to a frame."""
-    rows: list[dict[str, float]] = []
+        batched: Iterable[int] = (256,), batch: int = 16) -> list[dict[str, float | str]]:
+    """Per level, then per `batched` level with the reads `batch` to a frame: one row for each
+    way the engine learns of completions (long polls, the baseline; its doorbell's records),
+    one after the other on fresh daemons."""
+    rows: list[dict[str, float | str]] = []
     runs = [(c, 1) for c in levels] + [(c, batch) for c in batched]
-    for concurrency, per_frame in runs:
+    for (concurrency, per_frame), completions in itertools.product(runs, COMPLETIONS):
         with daemons(2) as (pd, dd):
             geo = build(SHAPE, 1, 0)
             p = BenchEngine(pd.socket, "p", geo)
-            d = BenchEngine(dd.socket, "d", geo)
+            d = BenchEngine(dd.socket, "d", geo, doorbell="records" if completions == "doorbell" else "")
             host, port = p.side_channel.rsplit(":", 1)
             n = requests if concurrency > 1 else max(200, requests // 4)
             elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
-                                              per_frame, (pd.socket, p.client.token)))
+                                              per_frame, (pd.socket, p.client.token), bell=d.client.doorbell))
             daemon = d.client.status().latency_us
-            rows.append({"concurrency": concurrency, "batch": per_frame, "requests": n, "req_per_s": n / elapsed,
+            rows.append({"concurrency": concurrency, "batch": per_frame, "completions": completions,
+                         "requests": n, "req_per_s": n / elapsed,
                          "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
                          "rpc_to_post_p50_us": _us(daemon.rpc_to_post.p50),
                          "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),
@@ -213,14 +251,18 @@ def render_leases(rows: list[dict[str, float | str]]) -> str:
     return "\n".join(lines)
 
 
-def render(rows: list[dict[str, float]]) -> str:
-    lines = [f"{'conc':>5} {'batch':>5} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} "
+def render(rows: list[dict[str, float | str]]) -> str:
+    lines = [f"{'conc':>5} {'batch':>5} {'completions':>11} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} "
              f"{'rpc->post p50/p99 us':>22} {'rpc->done p50/p99 us':>22}"]
     for r in rows:
-        lines.append(f"{r['concurrency']:>5} {r['batch']:>5} {r['requests']:>6} {r['req_per_s']:>8.0f} "
+        lines.append(f"{r['concurrency']:>5} {r['batch']:>5} {r['completions']:>11} {r['requests']:>6} "
+                     f"{r['req_per_s']:>8.0f} "
                      f"{r['client_p50_us']:>9.0f}/{r['client_p99_us']:<9.0f} "
                      f"{r['rpc_to_post_p50_us']:>11.0f}/{r['rpc_to_post_p99_us']:<10.0f} "
                      f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f}")
+    for poll, bell in zip(rows[::2], rows[1::2]):
+        lines.append(f"conc {poll['concurrency']} batch {poll['batch']}: doorbell / poll req/s "
+                     f"{float(bell['req_per_s']) / float(poll['req_per_s']):.3f}")
     return "\n".join(lines)
 
 
