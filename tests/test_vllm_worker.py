@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import select
 
+import msgspec
 import pytest
 from vllm_world import daemon_status, wait_until
 
+from kvxferd.doorbell import DoorbellError
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import buffer_address, create_shm
 from kvxferd.plan.models import ModelShape, build
 from kvxferd.protocol import RemoteRef
+from kvxferd.rpc import FrameError
 from kvxferd.vllm import worker as worker_mod
 from kvxferd.vllm.handoff import HoldOrder, Orders, ReadOrder
 from kvxferd.vllm.shared_kv import SharedBuffer
@@ -112,6 +115,25 @@ def test_what_the_doorbell_held_when_the_daemon_went_still_counts(daemon):
     daemon.stop()
     wait_until("the worker notices", lambda: w.client is None, 10, 0.05)
     assert w.results().sending == {"r1"} and w.take_stats().expired == 1
+    w.close()
+
+
+@pytest.mark.parametrize("error", [FrameError("frame of 1 TiB announced"), msgspec.DecodeError("not msgpack"),
+                                   DoorbellError("record of 1048576 B announced; at most 4092")])
+def test_a_reply_not_understood_is_a_lost_connection_not_an_exception_in_vllm_s_step(daemon, error):
+    """A reply (or doorbell record) the worker cannot read leaves the stream unusable: its step
+    must not raise into vLLM; the read in flight fails visibly and the hold waits for a daemon."""
+    w = make_worker(daemon)
+    w.start(Orders([HoldOrder("h1", [[1]], 30.0)], [ReadOrder("d1", RemoteRef("nobody", "127.0.0.1", 1, 1, "x"),
+                                                              4, [[5]], [[1]])]))
+    assert w.client is not None
+
+    def broken(*args, **kwargs):
+        raise error
+    w.client.pushed = broken
+    w.client.poll = broken
+    done = w.results()
+    assert w.client is None and done.failed == {"d1"} and "h1" in w.holds
     w.close()
 
 

@@ -41,6 +41,9 @@ log = logging.getLogger("kvxferd.vllm")
 RECONNECT_INTERVAL_S = 1.0
 ORPHAN_GRACE_S = 5.0  # past its lease, a connected daemon's "expired" should have come
 MAX_STEP_SAMPLES = 4096  # step costs kept between two of vLLM's stats collections
+# What a connection that can no longer be trusted raises: the socket failed, or a reply (or the
+# doorbell: DoorbellError is a ConnectionError) was not understood, so the stream is lost.
+LOST = (OSError, FrameError, msgspec.DecodeError)
 
 
 @dataclass
@@ -110,7 +113,7 @@ class WorkerSide:
         assert self.geometry is not None
         try:
             client = EngineClient(self.socket_path, self.engine_id, self.rank, self.tp_size)
-        except OSError as exc:
+        except LOST as exc:
             log.debug("kvxferd daemon not reachable: %s", exc)
             return False
         try:
@@ -128,7 +131,7 @@ class WorkerSide:
                 accepted[order.request_id] = now
             self.accepted.update(accepted)
             self.daemon_agent, self.max_lease_s = client.agent, client.max_lease_s
-        except (OSError, DaemonError) as exc:
+        except (*LOST, DaemonError) as exc:
             client.close()
             raise RuntimeError(f"kvxferd: registering engine {self.engine_id} rank {self.rank} failed: {exc}") \
                 from exc
@@ -155,7 +158,7 @@ class WorkerSide:
         if self.client is not None:
             try:  # what the daemon wrote to the doorbell before it went is still true
                 self._take(self.client.pushed()[0])
-            except OSError:
+            except LOST:
                 pass  # an unreadable doorbell: what it held is lost with the connection
         log.warning("kvxferd: connection to the daemon lost (%s); %d reads fail, %d holds kept", exc,
                     len(self.reading), len(self.holds))
@@ -219,7 +222,7 @@ class WorkerSide:
             return
         try:
             outcomes: list[DaemonError | None] = self.client.batch([order for _, order in sent])
-        except OSError as exc:
+        except LOST as exc:
             self._lost(exc)
             return
         except DaemonError as exc:  # the frame itself refused (its size): every order in it
@@ -267,14 +270,14 @@ class WorkerSide:
             self._take(pushed)
             if poll or self.poll_again:
                 self._poll(0.0)
-        except OSError as exc:  # DoorbellError too: the pipe carried what is not a record
+        except LOST as exc:
             self._lost(exc)
 
     def _poll(self, wait_s: float) -> None:
         assert self.client is not None
         try:
             completions = self.client.poll(wait_s)
-        except (OSError, FrameError, msgspec.DecodeError) as exc:  # a reply not understood: the stream is lost
+        except LOST as exc:
             self._lost(exc)
             return
         except DaemonError as exc:
