@@ -352,10 +352,12 @@ class Daemon:
                 # which could make a write to it block (doorbell.py's pipe is the daemon's alone).
                 fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + eventfd)
                 er = self.engines.register(msg, fds, conn)
+                version = conn.protocol or P.PROTOCOL_VERSION
+                records = pipe and records and version >= 7  # a reply to an older hello could not say so
                 if pipe:
                     conn.send_with_next_reply(er.open_doorbell(records))
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
-                                    pipe and records).for_version(conn.protocol or P.PROTOCOL_VERSION)
+                                    records).for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):

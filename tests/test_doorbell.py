@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
 import struct
 import time
 from collections import deque
@@ -308,7 +309,9 @@ def test_an_engine_that_shrank_its_pipe_still_gets_every_completion(daemon):
 
 
 def test_a_reply_carries_only_the_fields_the_client_s_version_knows(daemon, shm, monkeypatch):
-    """Clients refuse unknown fields: `registered` leaves out what a version predates."""
+    """Clients refuse unknown fields: `registered` leaves out what a version predates. Every
+    client here asks for a records doorbell; only a protocol 7 hello gets one (an older client
+    could not be told), the others a ring."""
     import kvxferd.client as client_mod
 
     bodies: list[bytes] = []
@@ -316,13 +319,23 @@ def test_a_reply_carries_only_the_fields_the_client_s_version_knows(daemon, shm,
     monkeypatch.setattr(client_mod, "_reply", lambda body, expect: (bodies.append(bytes(body)), real(body, expect))[1])
     geo, fd = shm
     for version, fields in ((2, {"side_channel", "agent"}),
-                            (6, {"side_channel", "agent", "token", "max_lease_s"}),
-                            (7, {"side_channel", "agent", "token", "max_lease_s"})):
+                            (6, {"side_channel", "agent", "doorbell", "token", "max_lease_s"}),
+                            (7, {"side_channel", "agent", "doorbell", "token", "max_lease_s", "doorbell_records"})):
         monkeypatch.setattr(P, "PROTOCOL_VERSION", version)  # the hello this client sends
         with EngineClient(daemon.socket, f"v{version}", 0, 1) as c:
             msg, sent = c.requests.register(geo, shm_fds=[fd])
+            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=True)
             c.rpc.call(msg, P.Registered, sent)
-        assert set(msgspec.msgpack.decode(bodies[-1])) - {"op"} == fields
+            assert set(msgspec.msgpack.decode(bodies[-1])) - {"op"} == fields
+            bells = list(c.rpc.reader.take_fds(len(c.rpc.reader.fds)))
+            if version < 5:
+                continue
+            [bell] = bells
+            c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
+            assert select.select([bell], [], [], 10)[0]
+            first = os.read(bell, 4096)
+            os.close(bell)
+            assert (first == b"\x01") == (version < 7)  # a ring byte, or a record
 
 
 def test_a_pipe_that_carries_what_is_not_a_record_is_a_lost_connection():
