@@ -61,16 +61,16 @@ class Doorbell:
     """The daemon's end of one rank's doorbell. Owns the write end and whether the engine has
     been told that completions wait in the queue (`told`, until its next poll)."""
 
-    def __init__(self, write_end: int, records: bool) -> None:
-        self.fd, self.records = write_end, records
+    def __init__(self, write_end: int, records: bool, owner: str = "") -> None:
+        self.fd, self.records, self.owner = write_end, records, owner  # owner: whose, for the logs
         self.budget = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // 4
         self.told = False
 
     @classmethod
-    def make(cls, records: bool) -> tuple[Doorbell, int]:
+    def make(cls, records: bool, owner: str = "") -> tuple[Doorbell, int]:
         """A new pipe: the daemon's end, and the read end for the engine (send it, then close it)."""
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        return cls(write_end, records), read_end
+        return cls(write_end, records, owner), read_end
 
     def push(self, c: P.Completion) -> bool:
         """Records mode: write `c` into the pipe. False: it goes to the queue (see the module)."""
@@ -90,7 +90,7 @@ class Doorbell:
             return
         self.told = True
         if not self._write(POLL_MARKER if self.records else RING) and self.records and self.fd >= 0:
-            log.warning("doorbell full past its budget; closed: the engine polls every step")
+            log.warning("%s: doorbell full past its budget; closed: the engine polls every step", self.owner)
             self.close()
 
     def polled(self, left: bool) -> None:
@@ -106,7 +106,7 @@ class Doorbell:
         except BlockingIOError:
             return False  # ring mode: a full pipe is rung already
         except OSError as exc:  # EPIPE: the engine closed its end
-            log.info("doorbell closed by the engine (%s); it polls without it", exc)
+            log.info("%s: doorbell closed by the engine (%s); it polls without it", self.owner, exc)
             self.close()
             return False
 

@@ -109,7 +109,7 @@ class EngineRank:
         """Make the rank's doorbell; returns the pipe's read end for the engine (the caller sends
         and closes it)."""
         self.close_doorbell()
-        self.doorbell, read_end = Doorbell.make(records)
+        self.doorbell, read_end = Doorbell.make(records, f"engine {self.engine_id} rank {self.tp_rank}")
         return read_end
 
     def close_doorbell(self) -> None:
