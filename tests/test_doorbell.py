@@ -134,14 +134,8 @@ def test_an_engine_that_stops_reading_fills_a_quarter_of_its_pipe_then_the_queue
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
             c.register(geo, shm_fds=[fd], doorbell=True, records=True)
             assert c.doorbell is not None
-            n = 40
-            for i in range(n):  # ~1 KB records: 40 KB in all, past a quarter of a 64 KiB pipe
-                blocks = list(range(1000 + i * 400, 1000 + i * 400 + 350))
-                c.read(f"r{i}", NOBODY, 8, [blocks], [blocks], DEADLINE_S)
-            deadline = time.monotonic() + 20
-            while in_flight(daemon) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert in_flight(daemon) == 0  # every read failed (at its deadline) and completed
+            n = 40  # ~1 KB records: 40 KB in all, past a quarter of a 64 KiB pipe
+            fail_kilobyte_reads(c, daemon, n)
             assert queued_bytes(c.doorbell) <= fcntl.fcntl(c.doorbell, fcntl.F_GETPIPE_SZ) // 4 + 4
             got, poll = c.pushed()
             assert poll and 0 < len(got) < n
@@ -151,6 +145,18 @@ def test_an_engine_that_stops_reading_fills_a_quarter_of_its_pipe_then_the_queue
     finally:
         os.close(fd)
         mm.close()
+
+
+def fail_kilobyte_reads(c: EngineClient, daemon: DaemonProcess, n: int) -> None:
+    """`n` reads r0.. whose failures carry ~1 KB of block ids each; returns once all have failed
+    (at their deadline) and completed."""
+    for i in range(n):
+        blocks = list(range(1000 + i * 400, 1000 + i * 400 + 350))
+        c.read(f"r{i}", NOBODY, 8, [blocks], [blocks], DEADLINE_S)
+    deadline = time.monotonic() + 20
+    while in_flight(daemon) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert in_flight(daemon) == 0
 
 
 def in_flight(daemon: DaemonProcess) -> int:
@@ -292,13 +298,8 @@ def test_an_engine_that_shrank_its_pipe_still_gets_every_completion(daemon):
             c.register(geo, shm_fds=[fd], doorbell=True, records=True)
             assert c.doorbell is not None
             fcntl.fcntl(c.doorbell, fcntl.F_SETPIPE_SZ, 4096)
-            n = 12
-            for i in range(n):  # ~1 KB records: 12 KB, past the one page left
-                blocks = list(range(1000 + i * 400, 1000 + i * 400 + 350))
-                c.read(f"r{i}", NOBODY, 8, [blocks], [blocks], DEADLINE_S)
-            deadline = time.monotonic() + 20
-            while in_flight(daemon) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            n = 12  # ~1 KB records: 12 KB, past the one page left
+            fail_kilobyte_reads(c, daemon, n)
             got, poll = c.pushed()
             assert poll and 0 < len(got) < n
             names = [x.request_id for x in got + c.poll(0.0)]
