@@ -14,6 +14,7 @@ busy CPU, as an engine's own step would.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 
@@ -59,7 +60,7 @@ def _naming(post: Callable[[str], None], prefix: str) -> Callable[[int], None]:
     return lambda i: post(f"{prefix} {i}")
 
 
-def _worker(socket: str, engine_id: str, shape: ModelShape) -> tuple[WorkerSide, object]:
+def _worker(socket: str, engine_id: str, shape: ModelShape) -> tuple[WorkerSide, mmap.mmap]:
     geo = build(shape, 1, 0)
     fd, mm = create_shm(geo.buffers[0])
     worker = WorkerSide(socket, engine_id, 0, 1, read_deadline_s=30.0)
@@ -76,19 +77,16 @@ def _row(name: str, scenario: str, t: list[float], steps: int, **extra: float) -
 def _nothing_finishes(socket: str, steps: int, pending: int) -> list[Row]:
     worker, mm = _worker(socket, "engine", SHAPE)
     worker.start(Orders([HoldOrder(f"r{i}", [[i]], 600.0) for i in range(pending)], []))
-    geo = build(SHAPE, 1, 0)
-    fd2, mm2 = create_shm(geo.buffers[0])
-    rpc = EngineClient(socket, "engine-rpc", 0, 1)
-    rpc.register(geo, shm_fds=[fd2])
+    polling = BenchEngine(socket, "engine-rpc", build(SHAPE, 1, 0))  # the baseline's engine: no doorbell
+    rpc = polling.client
     rows = []
     for name, call in (("bare poll RPC (baseline)", lambda: rpc.poll(0.0)),
                        ("worker.results() (ships)", worker.results)):
         _timed(call, steps // 10)  # warm up
         rows.append(_row(name, "nothing finishes", _timed(call, steps), steps, pending=pending))
-    rpc.close()
+    polling.close()
     worker.close()
-    for m in (mm, mm2):
-        m.close()  # type: ignore[attr-defined]
+    mm.close()
     return rows
 
 
@@ -134,7 +132,7 @@ def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> l
         rows.append(_row(name, "one read finishes", t, steps, found=found["n"] / steps))
     ring.close()
     worker.close()
-    mm.close()  # type: ignore[attr-defined]
+    mm.close()
     prefill.close()
     return rows
 
