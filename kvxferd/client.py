@@ -17,13 +17,14 @@ import asyncio
 import os
 import select
 import socket
+import stat
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import msgspec
 
 from . import protocol as P
-from .doorbell import DoorbellError, Records
+from .doorbell import DoorbellError, PipeReader, Records
 from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
@@ -35,7 +36,8 @@ Completion = P.Completion
 MemoryHandle = P.MemoryHandle
 BlockLists = Iterable[Iterable[int]]
 R = TypeVar("R", bound=P.Msg)
-MAX_READS = 16  # per pushed() call, of 64 KiB each: a daemon that keeps the pipe full cannot hold a step
+MAX_READS = 16  # per pushed() call, of READ_BYTES each: a daemon that keeps the pipe full cannot hold a step
+READ_BYTES = 1 << 16
 
 
 class DaemonError(RuntimeError):
@@ -251,6 +253,7 @@ class EngineClient:
         self.side_channel = ""
         self.doorbell: int | None = None  # doorbell pipe's read end (see doorbell.py)
         self._bell: select.poll | None = None  # watches `doorbell`
+        self._pipe = PipeReader(READ_BYTES)  # reads the doorbell
         self._records: Records | None = None  # parses it when it carries completions (protocol 7)
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
@@ -273,6 +276,10 @@ class EngineClient:
         bell = None
         if reply.doorbell:  # the pipe's read end came with the reply
             bell = self.rpc.reader.take_fds(1)[0]
+            if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not a doorbell: poll every step instead
+                os.close(bell)
+                bell = None
+        if bell is not None:
             os.set_blocking(bell, False)
             os.set_inheritable(bell, False)  # a child holding it would keep the daemon writing to no one
         self.rpc.reader.close()  # anything else a reply carried is not ours to keep
@@ -281,6 +288,14 @@ class EngineClient:
         self._records = Records() if bell is not None and reply.doorbell_records else None
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
+
+    @classmethod
+    def of_doorbell(cls, fd: int) -> EngineClient:
+        """A records doorbell's read end alone, no daemon connection: `pushed()` and nothing else
+        (benchmarks and tests of the doorbell itself)."""
+        c = cls.__new__(cls)
+        c.doorbell, c._bell, c._records, c._pipe = fd, None, Records(), PipeReader(READ_BYTES)
+        return c
 
     def attach(self, token: str) -> None:
         """Act for a rank another connection registered (protocol 3), with the token its
@@ -293,25 +308,26 @@ class EngineClient:
         it carried (protocol 7), and whether a poll may find more (a ring, the poll marker, or no
         doorbell: then every poll may). With `wait_s`, waits that long for the pipe first (the
         engine's process sleeps meanwhile). A pipe that carries what is not a record raises
-        `DoorbellError`, a `ConnectionError`: treat it as the daemon's connection lost."""
+        `DoorbellError`, a `ConnectionError`: treat it as the daemon's connection lost. One
+        thread at a time (the reads share a buffer)."""
         if self.doorbell is None:
             return [], True
-        if self._bell is None:
-            self._bell = select.poll()
-            self._bell.register(self.doorbell, select.POLLIN)
-        if not self._bell.poll(wait_s * 1000):  # nothing came (no exception raised: the common case)
-            return [], False
+        if wait_s > 0:  # sleep in poll(2), the GIL let go, until the pipe has something
+            if self._bell is None:
+                self._bell = select.poll()
+                self._bell.register(self.doorbell, select.POLLIN)
+            if not self._bell.poll(wait_s * 1000):
+                return [], False
         chunks, ended = [], False
         for _ in range(MAX_READS):  # one read, unless the pipe held more than one read's worth
-            try:
-                chunk = os.read(self.doorbell, 1 << 16)
-            except BlockingIOError:
+            chunk = self._pipe.read(self.doorbell)
+            if chunk is None:  # empty (no exception raised: the common case)
                 break
             if not chunk:  # the daemon closed its end: poll from now on
                 ended = True
                 break
             chunks.append(chunk)
-            if len(chunk) < 1 << 16:
+            if len(chunk) < READ_BYTES:
                 break
         completions: list[P.Completion] = []
         poll = bool(chunks) and self._records is None

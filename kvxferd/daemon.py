@@ -41,7 +41,7 @@ from .leases import Leases
 from .liveness import Liveness
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
-from .pace import SPIN, Pace
+from .pace import SPIN, Pace, Wake
 from .peers import Peers
 from .protocol import RequestError
 from .reads import Reads
@@ -70,7 +70,7 @@ class Daemon:
         self._connections: set[ServerConnection] = set()
         self._per_uid: dict[int, int] = {}  # open engine connections by uid (max_connections_per_uid)
         self._socket_gid: int | None = None
-        self._wake = asyncio.Event()  # a READ was posted or a hold arrived: progress NIXL now
+        self._wake = Wake()  # a READ was posted or a hold arrived: progress NIXL now
         self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
         self.metrics_port = 0
 
@@ -194,21 +194,13 @@ class Daemon:
                 if wait <= 0:
                     await asyncio.sleep(0)
                     continue
-                self._wake.clear()  # a lane's slice posted (or a new READ) wakes it sooner
-                try:
-                    await asyncio.wait_for(self._wake.wait(), wait)
-                except TimeoutError:
-                    pass
+                await self._wake.sleep(wait)  # a lane's slice posted (or a new READ) wakes it sooner
                 continue
             wait = self.pace.idle_wait(time.monotonic(), bool(self.holds.held))
             if wait == SPIN:
                 await asyncio.sleep(0)
                 continue
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+            await self._wake.sleep(wait)
 
     def _drain_notifications(self) -> None:
         try:

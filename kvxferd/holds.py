@@ -128,10 +128,11 @@ def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
     if len(block_ids) != len(groups):
         raise RequestError("bad_request", f"block lists for {len(block_ids)} groups; the geometry has {len(groups)}")
     for group, ids in zip(groups, block_ids):
-        bad = [b for b in ids if not 0 <= b < group.num_blocks]
+        limit = group.num_blocks  # a property that scans the group's views: once per group
+        bad = [b for b in ids if not 0 <= b < limit]
         if bad:
             raise RequestError("bad_request", f"group {group.name}: block ids {bad[:8]} out of range "
-                                              f"0..{group.num_blocks - 1}")
+                                              f"0..{limit - 1}")
         if len(set(ids)) != len(ids):
             raise RequestError("bad_request", f"group {group.name}: a block id appears twice in {ids[:16]}")
 

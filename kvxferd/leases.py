@@ -5,8 +5,9 @@ another prompt's KV at once. A READ that runs after that delivers the other prom
 NIXL reports it done all the same. So a read is reported `received` only if the prefill daemon
 vouched that the hold lived from before the READ's post to after its end:
 
-    read posted / engine expects R -> claim each prefill rank's hold (one LeaseRequest per peer
-                                      daemon per loop turn, sidelink.py)
+    read about to post / engine expects R -> claim each prefill rank's hold (one LeaseRequest
+                                      per peer daemon per loop turn, sidelink.py; a READ of
+                                      1 MiB or more sends its claims before its post)
         answer "held", granted g, asked at s (our clock): the hold lives until >= s + g
         answer "consumed": our own notification, sent after our READ ended, ended it
     READ seen DONE at t:   a claim covers t -> "received" at once (no round trip)
@@ -33,8 +34,9 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from . import handshake as hs
 from . import protocol as P
@@ -240,8 +242,15 @@ class Leases:
             self._flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def flush(self) -> None:
+        """Send what is queued now, not at the turn's end: the caller is about to hold the loop
+        (a large READ, copied inside its post), and the answers come back meanwhile."""
+        if self._queued or self._unclaim:
+            self._flush()
+
     def _flush(self) -> None:
-        """One request per peer daemon for everything queued this loop turn."""
+        """One request per peer daemon for everything queued this loop turn (the requests leave
+        before this returns)."""
         self._flushing = False
         queued, self._queued = self._queued, {}
         unclaim, self._unclaim = self._unclaim, {}
@@ -257,21 +266,39 @@ class Leases:
         return hs.LeaseRequest(hs.LEASE_VERSION, next(self._seq), self._requester, extend_s,
                                [hs.Claimed(k[2], k[3], k[4]) for k in keys], release)
 
-    async def _unpin(self, host: str, port: int, keys: list[ClaimKey]) -> None:
-        req = self._request(keys, 0.0, release=True)
+    def _send(self, host: str, port: int, req: hs.LeaseRequest) -> asyncio.Future[hs.LeaseReply]:
+        """`req` on the wire now; the awaitable gives the reply, or raises HandshakeError when the
+        request could not go out or got no answer."""
         try:
-            await self._links.to(host, port).ask(req, self._timeout_s)
+            return asyncio.ensure_future(self._links.to(host, port).ask(req, self._timeout_s))
+        except Exception as exc:  # whatever one peer's address does, the other peers' requests still go
+            failed: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc if isinstance(exc, hs.HandshakeError) else
+                                 hs.HandshakeError("unreachable", f"side channel to {host}:{port}: {exc}"))
+            failed.exception()  # retrieved: awaited by a task that shutdown may cancel first
+            return failed
+
+    def _unpin(self, host: str, port: int, keys: list[ClaimKey]) -> Coroutine[Any, Any, None]:
+        return self._unpinned(host, port, keys, self._send(host, port, self._request(keys, 0.0, release=True)))
+
+    async def _unpinned(self, host: str, port: int, keys: list[ClaimKey], reply: asyncio.Future[hs.LeaseReply]) -> None:
+        try:
+            await reply
         except hs.HandshakeError as exc:  # our pins there lapse with their grant
             log.info("unpinning %d holds at %s:%d: %s", len(keys), host, port, exc)
 
-    async def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> None:
-        req = self._request(keys, self._extend_s)
-        sent = time.monotonic()
+    def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> Coroutine[Any, Any, None]:
+        sent = time.monotonic()  # before the request leaves: a "held" answer vouches from here on
         asked = [self._claims.get(k) for k in keys]  # an answer is for these, not for claims made since
+        reply = self._send(host, port, self._request(keys, self._extend_s))
+        return self._answered(host, port, keys, asked, sent, reply)
+
+    async def _answered(self, host: str, port: int, keys: list[ClaimKey], asked: list[Claim | None], sent: float,
+                        pending: asyncio.Future[hs.LeaseReply]) -> None:
         answers: list[hs.ClaimAnswer] = []
         agent = ""
         try:
-            reply = await self._links.to(host, port).ask(req, self._timeout_s)
+            reply = await pending
             agent = reply.agent
             if not reply.ok:
                 self._warn(host, port, f"peer %s:%d refused lease claims: {reply.reason[:200].replace('%', '%%')}")

@@ -74,6 +74,25 @@ AUDIT_RETRY_S = 0.02  # between audits of a request the prefill does not hold ye
 _encode = msgspec.msgpack.Encoder().encode
 
 
+# A READ this large, posted whole, holds the loop while it copies (CMA copies inside the post):
+# its claims are sent before it, so their answers are back when it ends (a claim's round trip
+# through two daemons is ~0.5-2 ms, ~10% of a 64 MiB read here). Smaller reads' claims leave at
+# the end of the loop turn, one request per peer for all of them.
+EARLY_CLAIM_BYTES = 1 << 20
+
+
+@dataclass
+class Reading:
+    """What one request reads on its route: descriptor ids and bytes per remote rank."""
+
+    indices: dict[int, tuple[np.ndarray, np.ndarray]]  # remote rank -> (local ids, remote ids)
+    nbytes: dict[int, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes.values())
+
+
 class StaleRoute(Exception):
     """Nothing could be posted on a route: most likely its peer restarted (new agent, same address)."""
 
@@ -115,22 +134,27 @@ class Transfer:
         """Something NIXL moves for this read may still be running."""
         return bool(self.postings)
 
-    def post(self, route: Route, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
-        """Post a READ per remote rank this request reads (split across lanes when large,
-        `on_sliced` running on the loop as each slice's post returns), notify the rest; returns
-        notifications.
+    def reads_on(self, route: Route) -> Reading:
+        """What this request reads on `route`, per remote rank (its `read_ranks`)."""
+        self.route = route
+        reads = request_indices(route.plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
+                                                             self.msg.remote_blocks))
+        self.read_ranks = list(reads)
+        return Reading(reads, {rank: _bytes_read(route.plan.peers[rank], lids) for rank, (lids, _) in reads.items()})
+
+    def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
+        """Post a READ per remote rank read (split across lanes when large, `on_sliced` running
+        on the loop as each slice's post returns), notify the rest; returns notifications.
 
         Raises StaleRoute when NIXL refused the first READ (nothing posted), TransferError when
         it refused a later one (some READs are running).
         """
-        self.route = route
+        route = self.route
+        assert route is not None
         plan = route.plan
-        reads = request_indices(plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
-                                                       self.msg.remote_blocks))
-        nbytes = {rank: _bytes_read(plan.peers[rank], lids) for rank, (lids, _) in reads.items()}
-        split = self.split = lanes.slices(sum(nbytes.values()))
+        reads, nbytes = reading.indices, reading.nbytes
+        split = self.split = lanes.slices(reading.total)
         self.posted_at = time.monotonic()  # before the first slice: a lane may end it at once
-        self.read_ranks = list(reads)
         ref = self.msg.remote
         expected = route.expected
         try:
@@ -373,11 +397,21 @@ class Reads:
         if t.engine.closing:  # unregistered while the handshake ran: nothing to post, the peer is fine
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
-        notifications = t.post(route, self._nixl, self._lanes, self._on_posted)
-        if t.read_ranks and self._leases is not None:
+        reading = t.reads_on(route)
+        if t.read_ranks and self._leases is not None:  # claimed before the READs: see EARLY_CLAIM_BYTES
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
+            if reading.total >= EARLY_CLAIM_BYTES and not self._lanes.slices(reading.total):
+                self._leases.flush()
+        try:
+            notifications = t.post(reading, self._nixl, self._lanes, self._on_posted)
+        except StaleRoute:  # nothing was read: the retry claims anew on its own route
+            if self._leases is not None and t.read_claims:
+                self._leases.release(t.read_claims)
+                del t.claims[len(t.claims) - len(t.read_claims):]  # appended last, after the expectation's
+                t.read_claims = []
+            raise
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
                                    len(t.postings) if t.split else 0)
         if t.running:

@@ -227,19 +227,40 @@ class ServerConnection:
             self.fail(FrameError(f"a frame begun {FRAME_TIMEOUT_S:g} s ago did not complete"))
 
     def _drain(self) -> None:
-        while self.backlog and not self.busy and not self.closed and self.unsent < UNSENT_HIGH:
+        while self._answer_burst():  # a burst that reached UNSENT_HIGH went out whole: go on
+            pass
+        if not self.backlog and not self.busy:
+            self.reader.close_unclaimed()
+            if not self.closed:
+                self.budget.report(self, self.credentials[1], len(self.reader.fds), self.reader.buffered)
+        self._pace_reading()
+
+    def _answer_burst(self) -> bool:
+        """Answer the requests waiting, their replies sent together (one send(2) for a burst of
+        requests), in order: a reply that carries fds or is computed later sends the ones
+        before it first. (A reply waits for the requests after it in its burst: behind a large
+        READ, whose copy holds the loop, by that copy.) True when requests still wait and may
+        be answered now (the burst stopped at UNSENT_HIGH and the socket took it)."""
+        burst: list[bytes] = []  # framed replies not handed to the socket yet
+        held = 0  # their bytes, counted against UNSENT_HIGH as if unsent
+        while self.backlog and not self.busy and not self.closed and self.unsent + held < UNSENT_HIGH:
             reply = self.on_frame(self, self.backlog.popleft())
+            if isinstance(reply, bytes) and not self._fds_out:
+                burst.append(frame(reply))
+                held += len(burst[-1])
+                continue
+            if burst:
+                self._put(memoryview(b"".join(burst)), [])
+                burst, held = [], 0
             if isinstance(reply, bytes):
                 self.write(reply)
             else:
                 self.busy = True
                 self._pending = asyncio.ensure_future(reply)
                 self._pending.add_done_callback(self._replied)
-        if not self.backlog and not self.busy:
-            self.reader.close_unclaimed()
-            if not self.closed:
-                self.budget.report(self, self.credentials[1], len(self.reader.fds), self.reader.buffered)
-        self._pace_reading()
+        if burst:
+            self._put(memoryview(burst[0] if len(burst) == 1 else b"".join(burst)), [])
+        return bool(self.backlog) and not self.busy and not self.closed and self.unsent < UNSENT_HIGH
 
     def _pace_reading(self) -> None:
         """Read requests only while their replies are taken: unanswered frames or unsent replies
@@ -267,10 +288,13 @@ class ServerConnection:
     def write(self, body: bytes) -> None:
         """Queue one reply; the socket takes it now or when it becomes writable."""
         fds, self._fds_out = self._fds_out, []
+        self._put(memoryview(frame(body)), fds)
+
+    def _put(self, data: memoryview, fds: list[int]) -> None:
+        """Framed replies, `fds` going with their first byte."""
         if self.closed:
             _close_all(fds)
             return
-        data = memoryview(frame(body))
         if self.out:
             self.out.append((data, fds))
             self.unsent += len(data)

@@ -21,6 +21,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -47,30 +48,45 @@ class Link:
             self.sock.curve_secretkey = curve.secret
             self.sock.curve_publickey = curve.public
             self.sock.curve_serverkey = curve.server_public
-        self.sock.connect(f"tcp://{host}:{port}")
+        try:
+            self.sock.connect(f"tcp://{host}:{port}")
+        except zmq.ZMQError:  # an address ZMQ cannot parse (engines name it): the socket must not leak
+            self.sock.close(0)
+            raise
         self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # by seq, oldest first
         self.used = time.monotonic()
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def ask(self, req: hs.LeaseRequest, timeout_s: float) -> hs.LeaseReply:
-        """The peer's reply; HandshakeError when none comes within `timeout_s`."""
+    def ask(self, req: hs.LeaseRequest, timeout_s: float) -> asyncio.Future[hs.LeaseReply]:
+        """Send `req` now, before returning (a caller about to hold the loop has it on the wire
+        meanwhile); the future gives the peer's reply. HandshakeError: raised at once when the
+        request cannot go out, set on the future when no reply comes within `timeout_s`."""
         self.used = time.monotonic()
         if len(self.waiting) >= MAX_WAITING:
             raise hs.HandshakeError("timeout", f"{MAX_WAITING} requests to {self.address} wait for replies")
-        fut: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
+        # A NOBLOCK send on an asyncio socket is tried at once; its failure (the peer's queue is
+        # full) is set on the returned future, not raised.
+        sent = cast("asyncio.Future[object]", self.sock.send_multipart([b"", hs.encode(req)], flags=zmq.NOBLOCK))
+        failed = sent.exception() if sent.done() else None
+        if failed is not None:
+            raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {failed}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[hs.LeaseReply] = loop.create_future()
         self.waiting[req.seq] = fut
-        try:
-            try:
-                self.sock.send_multipart([b"", hs.encode(req)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the peer is not taking messages (its queue is full)
-                raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {exc}") from None
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-            except TimeoutError:
-                raise hs.HandshakeError("timeout", f"no lease answer from {self.address} within {timeout_s:g} s") \
-                    from None
-        finally:
+        timer = loop.call_later(timeout_s, self._unanswered, req.seq, timeout_s)
+
+        def ended(_: object) -> None:  # answered, timed out, or given up by its asker
+            timer.cancel()
             self.waiting.pop(req.seq, None)
+        fut.add_done_callback(ended)
+        return fut
+
+    def _unanswered(self, seq: int, timeout_s: float) -> None:
+        fut = self.waiting.pop(seq, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(hs.HandshakeError("timeout",
+                                                f"no lease answer from {self.address} within {timeout_s:g} s"))
+            fut.exception()  # retrieved: the asker may have gone
 
     async def _read(self) -> None:
         while True:

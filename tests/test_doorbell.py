@@ -18,7 +18,7 @@ import pytest
 
 from kvxferd import protocol as P
 from kvxferd.client import EngineClient
-from kvxferd.doorbell import POLL_MARKER, Doorbell, DoorbellError, Records, queued_bytes
+from kvxferd.doorbell import POLL_MARKER, Doorbell, DoorbellError, PipeReader, Records, queued_bytes
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
@@ -341,8 +341,7 @@ def test_a_reply_carries_only_the_fields_the_client_s_version_knows(daemon, shm,
 
 def test_a_pipe_that_carries_what_is_not_a_record_is_a_lost_connection():
     read_end, write_end = os.pipe2(os.O_NONBLOCK)
-    c = EngineClient.__new__(EngineClient)
-    c.doorbell, c._bell, c._records = read_end, None, Records()
+    c = EngineClient.of_doorbell(read_end)
     try:
         os.write(write_end, struct.pack("<I", 1 << 20))
         with pytest.raises(ConnectionError, match="announced"):
@@ -350,3 +349,70 @@ def test_a_pipe_that_carries_what_is_not_a_record_is_a_lost_connection():
         assert c.doorbell is None  # closed: the engine treats the daemon as gone
     finally:
         os.close(write_end)
+
+
+def test_a_read_of_the_doorbell_never_waits_even_on_a_blocking_pipe():
+    """The engine reads its doorbell keeping the GIL: a read that waited would stop every thread
+    of vLLM. O_NONBLOCK belongs to the open file, which whoever else holds it may clear: the
+    read must not depend on it."""
+    read_end, write_end = os.pipe()  # blocking
+    try:
+        pipe = PipeReader(1 << 16)
+        assert pipe.read(read_end) is None  # empty: at once
+        os.write(write_end, b"abc")
+        assert pipe.read(read_end) == b"abc"
+        os.close(write_end)
+        write_end = -1
+        assert pipe.read(read_end) == b""  # end of file
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path):
+    """A daemon (or whatever answers on its socket) that passes a socket for the doorbell: the
+    engine closes it and polls every step instead of reading what it cannot trust not to block."""
+    import socket
+    import threading
+
+    from kvxferd import rpc
+
+    path = str(tmp_path / "fake.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    decoy, kept = socket.socketpair()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        reader = rpc.FrameReader()
+        answered = 0
+        while answered < 2:
+            for _ in reader.feed(conn.recv(1 << 16)):
+                if answered == 0:
+                    conn.sendall(rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake"))))
+                else:
+                    reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True)
+                    conn.sendmsg([rpc.frame(P.encoder.encode(reply))],
+                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", decoy.fileno()))])
+                answered += 1
+        conn.recv(1)  # until the client closes
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
+        fd, mm = create_shm(geo.buffers[0])
+        with EngineClient(path, "e", 0, 1) as c:
+            c.register(geo, [fd], doorbell=True, records=True)
+            assert c.doorbell is None
+            assert c.pushed() == ([], True)  # every step polls
+        os.close(fd)
+        mm.close()
+    finally:
+        thread.join(5)
+        server.close()
+        decoy.close()
+        kept.close()

@@ -446,3 +446,55 @@ def test_a_client_that_half_closes_gets_every_reply(tmp_path):
         assert len(replies) == 300
     finally:
         daemon.stop()
+
+
+def test_pipelined_requests_are_answered_in_order(tmp_path):
+    """Requests that arrive together are answered together (one send for a burst of replies),
+    each reply in its request's place."""
+    daemon = DaemonProcess(tmp_path, "daemon")
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(daemon.socket)
+        s.settimeout(20)
+        s.sendall(rpc.frame(P.encoder.encode(P.Hello(P.PROTOCOL_VERSION, "pipelined"))))
+        reader = rpc.FrameReader()
+        while not reader.feed(s.recv(1 << 16)):
+            pass
+        unknown = [rpc.frame(P.encoder.encode(P.Poll(f"engine-{i}", 0, 0.0, 16))) for i in range(200)]
+        s.sendall(b"".join(unknown[:100]) + STATUS_FRAME + b"".join(unknown[100:]))
+        replies: list[bytes] = []
+        while len(replies) < 201:
+            replies += reader.feed(s.recv(1 << 16))
+        s.close()
+        errors = [P.reply_decoder.decode(r) for r in replies]
+        assert isinstance(errors[100], P.StatusReply)
+        named = [e.message for i, e in enumerate(errors) if i != 100]
+        assert all(f"'engine-{i}'" in m for i, m in enumerate(named)), "a reply out of its request's place"
+    finally:
+        daemon.stop()
+
+
+def test_replies_past_the_unsent_bound_that_the_socket_takes_do_not_stall_the_connection(monkeypatch):
+    """A burst of replies stops at UNSENT_HIGH; when the socket takes it whole, nothing waits to
+    be written and nothing is read: the requests still waiting must be answered all the same."""
+    monkeypatch.setattr(rpc, "UNSENT_HIGH", 4096)
+
+    async def scenario() -> int:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        a.setblocking(False)
+        conn = rpc.ServerConnection(b, 1 << 20, lambda _c, data: b"r" * 1000, lambda _c: None)
+        a.sendall(rpc.frame(b"q") * 40)  # 40 replies of ~1 KB: ten bursts' worth
+        reader, replies = rpc.FrameReader(), 0
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            try:
+                replies += len(reader.feed(a.recv(1 << 20)))
+            except BlockingIOError:
+                pass
+            if replies == 40:
+                break
+        conn.close(force=True)
+        a.close()
+        return replies
+
+    assert asyncio.run(scenario()) == 40

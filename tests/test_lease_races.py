@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -324,4 +325,79 @@ def test_a_hold_that_never_comes_is_asked_about_less_and_less():
         gaps = [b - a for a, b in itertools.pairwise(asked)]
         assert 5 <= len(asked) <= 9, asked  # 0, .05, .15, .35, .75, 1.55, 3.15 s (+ the ticks)
         assert gaps == sorted(gaps) and gaps[-1] >= 1.0
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("nbytes, before_post", [(2 << 20, 1), (4096, 0)])
+def test_a_large_read_sends_its_claims_before_it_is_posted(monkeypatch, nbytes, before_post):
+    """A READ of EARLY_CLAIM_BYTES or more holds the loop while it copies (CMA copies inside the
+    post): its claims leave before the post, so their answers are in when it ends. A small
+    read's leave at the end of the loop turn, one request with the others of that turn."""
+    async def main() -> None:
+        from kvxferd import reads as reads_mod
+
+        asked: list[hs.LeaseRequest] = []
+        asked_before_post: list[int] = []
+
+        class Link:
+            def ask(self, req, timeout_s):
+                asked.append(req)
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0)]))
+                return fut
+
+        def reads_on(self, route):
+            self.route, self.read_ranks = route, [0]
+            ids = np.arange(4, dtype=np.int32)
+            return reads_mod.Reading({0: (ids, ids)}, {0: nbytes})
+
+        def post(self, reading, nixl, lanes, on_sliced):
+            asked_before_post.append(len(asked))
+            return 0  # nothing left running: the read finishes at once
+
+        monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
+        monkeypatch.setattr(reads_mod.Transfer, "post", post)
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
+        er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
+                             complete=lambda c: None)
+        route = SimpleNamespace(remote_tp=1)
+        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route})
+        reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
+                                leases=leases)
+        reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
+        assert asked_before_post == [before_post]
+        await asyncio.sleep(0)
+        assert [r.release for r in asked][:1] == [False]  # the claim first (then, the read over, its unpin)
+        assert sum(not r.release for r in asked) == 1  # one claim either way
+    asyncio.run(main())
+
+
+def test_a_peer_address_zmq_refuses_does_not_hold_up_other_peers_claims():
+    """An engine may name any address; one ZMQ cannot dial (it raises while the turn's claims
+    go out) fails its own claims only: the other peers' claims of that turn are asked and
+    answered."""
+    async def main() -> None:
+        class Link:
+            def ask(self, req, timeout_s):
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0)
+                                                                         for _ in req.claims]))
+                return fut
+
+        def to(host, port):
+            if host == "a b":
+                raise zmq.ZMQError(zmq.EINVAL)
+            return Link()
+        leases = Leases(SimpleNamespace(to=to), Recorder(), "me", 20.0, True, 5.0)
+        bad, good = [("a b", 5600, "prefill", 0, "r1")], [("10.0.0.1", 5600, "prefill", 0, "r2")]
+        leases.acquire(bad)
+        leases.acquire(good)
+        leases.flush()
+        await asyncio.sleep(0.01)
+        t = time.monotonic()
+        assert leases.covers(good, t)
+        assert not leases.covers(bad, t)
+        for task in list(leases._tasks):
+            task.cancel()
     asyncio.run(main())

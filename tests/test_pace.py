@@ -1,7 +1,10 @@
 """The idle pace (pace.py): spin right after activity, the short tick while hot or holding,
-the long tick once quiet."""
+the long tick once quiet; the progress loop's sleep, cut short by a wake."""
 
-from kvxferd.pace import SPIN, Pace
+import asyncio
+import time
+
+from kvxferd.pace import SPIN, Pace, Wake
 
 
 def pace() -> Pace:
@@ -23,3 +26,25 @@ def test_activity_spins_then_ticks_then_cools():
     assert p.idle_wait(11.5, holding=True) == 0.001
     p.active(11.5)
     assert p.idle_wait(11.5005, holding=False) == SPIN
+
+
+def test_a_wake_ends_the_sleep_and_a_timeout_ends_it_without_one():
+    async def main() -> None:
+        wake = Wake()
+        wake.set()  # not sleeping: nothing to end, nothing remembered
+        t0 = time.monotonic()
+        await wake.sleep(0.05)
+        assert time.monotonic() - t0 >= 0.045  # the timeout ended it
+        sleeper = asyncio.ensure_future(wake.sleep(30.0))
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        wake.set()
+        await asyncio.wait_for(sleeper, 5.0)
+        assert time.monotonic() - t0 < 1.0  # the wake ended it
+        cancelled = asyncio.ensure_future(wake.sleep(30.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        wake.set()  # a cancelled sleep leaves nothing behind to wake
+        await wake.sleep(0.01)
+    asyncio.run(main())

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import zmq.asyncio
 
@@ -86,3 +87,68 @@ def test_a_silent_peer_times_out_and_links_are_capped(monkeypatch):
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_a_request_is_on_the_wire_when_ask_returns():
+    """`ask` sends before it returns: a caller about to hold the loop (a large READ, copied inside
+    its post) has its claim answered meanwhile. The peer here is a plain ROUTER the test drives
+    while the loop stands still."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        sync = zmq.Context()
+        router = sync.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        links = sidelink.Links(ctx, None)
+        try:
+            link = links.to("127.0.0.1", port)
+            reply = link.ask(lease(9), 5.0)
+            assert router.poll(5000), "the request was not sent when ask returned"  # the loop never ran
+            ident, empty, body = router.recv_multipart()
+            assert msgspec.msgpack.decode(body, type=hs.LeaseRequest) == lease(9)
+            router.send_multipart([ident, empty, hs.encode(hs.LeaseReply(True, seq=9))])
+            assert await asyncio.wait_for(reply, 5.0) == hs.LeaseReply(True, seq=9)
+            await asyncio.sleep(0)
+            assert not link.waiting  # answered: nothing left waiting
+        finally:
+            links.close()
+            router.close(0)
+            sync.term()
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_takes_nothing_more_is_refused_at_once():
+    """Nothing listens at the address: ZMQ queues requests up to its high-water mark, then
+    refuses the send. That refusal is raised by `ask` (before, it was left on an unawaited
+    future and the claim waited for its timeout); the requests queued wait for theirs."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        with socket_nobody_listens() as port:
+            links = sidelink.Links(ctx, None)
+            link = links.to("127.0.0.1", port)
+            link.sock.setsockopt(zmq.SNDHWM, 4)  # new pipes only: the refusal comes within a few sends
+            try:
+                waiting = []
+                with pytest.raises(hs.HandshakeError) as refused:
+                    for seq in range(1, sidelink.MAX_WAITING):
+                        waiting.append(link.ask(lease(seq), 60.0))
+                assert refused.value.reason == "unreachable"
+                assert len(waiting) < sidelink.MAX_WAITING - 1
+                assert len(link.waiting) == len(waiting)  # the refused one is not left waiting
+            finally:
+                links.close()
+                ctx.term()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def socket_nobody_listens():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # reserved, never listened on: connections are refused
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()

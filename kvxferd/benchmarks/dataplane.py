@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..client import Client, RemoteRef
+from ..memory import create_shm
 from ..plan.models import ModelShape, build
 from .harness import BenchEngine, daemons, environment, median
 
@@ -47,7 +51,6 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
     """One NIXL agent (the reader: `agents` of them, each reading its slice from its own
     thread). q_out/q_in: (agent metadata, buffer address). `results`: the reader puts its
     timings there; the target gets the done signal (None) from it."""
-    import mmap
 
     from ..nixl_driver import nixl_api
 
@@ -59,7 +62,8 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
         vmm = VmmBuffer(size)
         addr, mem = vmm.address, "VRAM"
     else:
-        mm = mmap.mmap(-1, size)
+        fd, mm = create_shm(size, f"raw-{role}")  # memory of the kind engines register (a memfd)
+        os.close(fd)  # the mapping keeps it
         buf = np.frombuffer(mm, dtype=np.uint8)
         buf[:] = 0x5A
         addr, mem = buf.ctypes.data, "DRAM"
@@ -120,8 +124,17 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
     results.put((times, posts))
 
 
-def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu", agents: int = 1) -> tuple[list[float], list[float]]:
-    """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone)."""
+# A process busy 0.4 ms of every 1 ms: about what the prefill daemon and the engine cost beside
+# kvxferd's copy on this 2-core machine (the prefill daemon ticks NIXL each millisecond while it
+# holds, and spins briefly after each hold, claim and notification).
+NEIGHBOUR = ("import time\nwhile True:\n t = time.perf_counter()\n while time.perf_counter() - t < 0.0004: pass\n"
+             " time.sleep(0.0006)\n")
+
+
+def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu", agents: int = 1,
+             neighbour: bool = False) -> tuple[list[float], list[float]]:
+    """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone).
+    `neighbour`: with a process busy 0.4 ms of every 1 ms beside it (NEIGHBOUR)."""
     ctx = mp.get_context("spawn")
     a: Queue[tuple[Any, int]] = ctx.Queue()
     b: Queue[tuple[Any, int]] = ctx.Queue()
@@ -129,9 +142,15 @@ def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu", agents: int =
     done: Queue[None] = ctx.Queue()
     reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device, agents))
     target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
-    reader.start()
-    target.start()
-    out = results.get(timeout=300)
+    busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
+    try:
+        reader.start()
+        target.start()
+        out = results.get(timeout=300)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
     done.put(None)
     reader.join(10)
     target.join(10)
@@ -253,6 +272,7 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
         split: list[float] = []
         raw: list[float] = []
         raw_posts: list[float] = []
+        raw_busy: list[float] = []
         raw2: list[float] = []
         small_whole: list[float] = []
         small_split: list[float] = []
@@ -273,6 +293,8 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
                 times, posts = raw_nixl(page, n, repeats, device)
                 raw += times
                 raw_posts += posts
+                if device == "cpu":
+                    raw_busy += raw_nixl(page, n, repeats, device, neighbour=True)[0]
                 raw2 += raw_nixl(page, n, repeats, device, agents=2)[0]
             with Client(one_stream[1].socket) as c:
                 daemon = c.status().latency_us
@@ -288,6 +310,7 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
                      "raw_nixl_gb_s": nbytes / r / 1e9, "raw_nixl_2_agents_gb_s": nbytes / r2 / 1e9,
                      "memcpy_gb_s": nbytes / m1 / 1e9, "memcpy2_gb_s": nbytes / m2 / 1e9,
                      "kvxferd_over_raw": r / k, "lanes_over_raw": r / sk, "lanes_of_memcpy2": m2 / sk,
+                     "raw_busy_over_raw": r / median(raw_busy) if raw_busy else 0.0,
                      "raw_2_agents_over_raw": r / r2, "split_reads": split_reads,
                      "kvxferd_ms": k * 1e3, "read_call_ms": median(acks) * 1e3,
                      "raw_ms": r * 1e3, "raw_post_ms": median(raw_posts) * 1e3,
@@ -310,12 +333,14 @@ def render(rows: list[dict[str, float]]) -> str:
                      f"{r['lanes_over_raw']:>7.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} {r['memcpy_gb_s']:>7.2f} "
                      f"{r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
     lines += ["", "one stream, medians in ms per request:",
-              f"{'page':>8} {'kvxferd':>8} {'read':>7} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9}",
-              f"{'':>8} {'client':>8} {'call':>7} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9}"]
+              f"{'page':>8} {'kvxferd':>8} {'read':>7} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9} "
+              f"{'raw, busy':>10}",
+              f"{'':>8} {'client':>8} {'call':>7} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9} "
+              f"{'nbr / raw':>10}"]
     for r in rows:
         lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['read_call_ms']:>7.2f} "
                      f"{r['daemon_rpc_to_post_ms']:>9.2f} {r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} "
-                     f"{r['raw_post_ms']:>9.2f}")
+                     f"{r['raw_post_ms']:>9.2f} {r['raw_busy_over_raw']:>10.2f}")
     if any(r["small_read_whole_ms"] for r in rows):
         lines += ["", "another engine's one-block read, sent 1 ms into a large read (median ms):",
                   f"{'page':>8} {'whole':>8} {'lanes':>8}"]

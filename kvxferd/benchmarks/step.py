@@ -4,6 +4,10 @@ busy CPU, as an engine's own step would.
 
 * Nothing finishes (holds whose consumers have not come). Baseline, in the same run: one bare
   poll RPC to the daemon, what the worker paid per step before the doorbell.
+* The doorbell check alone, nothing finishing, with a second thread of the engine's busy 0.3 ms
+  of every 1 ms, as vLLM's output thread is. Baseline, in the same run: the pipe checked with
+  poll(2), which lets go of the GIL and so may wait for that thread; the worker reads the pipe
+  keeping it (doorbell.read_held).
 * One read finishes each step (16 blocks from a prefill on a second daemon, posted before the
   step's busy CPU, untimed). Baseline, in the same run: protocol 6's doorbell, a byte that says a
   poll would find something, then the poll (a bare client: no bookkeeping). The worker as it
@@ -15,12 +19,14 @@ busy CPU, as an engine's own step would.
 from __future__ import annotations
 
 import mmap
+import select
+import threading
 import time
 from collections.abc import Callable
 
 from .. import protocol as P
 from ..client import EngineClient
-from ..doorbell import Doorbell, Records
+from ..doorbell import Doorbell
 from ..memory import buffer_address, create_shm
 from ..plan.models import ModelShape, build
 from ..vllm.handoff import HoldOrder, Orders, ReadOrder
@@ -90,6 +96,40 @@ def _nothing_finishes(socket: str, steps: int, pending: int) -> list[Row]:
     return rows
 
 
+def _busy_thread(socket: str, steps: int, pending: int) -> list[Row]:
+    """The worker's doorbell check alone, nothing finishing, with a second thread of the engine
+    busy 0.3 ms in every 1 ms (vLLM's output thread, serializing the last step's tokens).
+    Baseline, in the same run: the same pipe checked by poll(2), which lets go of the GIL."""
+    worker, mm = _worker(socket, "engine-threads", SHAPE)
+    worker.start(Orders([HoldOrder(f"t{i}", [[i]], 600.0) for i in range(pending)], []))
+    assert worker.client is not None and worker.client.doorbell is not None
+    watch = select.poll()
+    watch.register(worker.client.doorbell, select.POLLIN)
+    stop = threading.Event()
+
+    def output_thread() -> None:
+        while not stop.is_set():
+            _busy(0.0003)
+            time.sleep(0.0007)
+
+    thread = threading.Thread(target=output_thread, daemon=True)
+    thread.start()
+    rows = []
+    try:
+        client = worker.client
+        for name, call in (("poll(2), the GIL let go (baseline)", lambda: watch.poll(0)),
+                           ("EngineClient.pushed(): the GIL kept (ships)", lambda: client.pushed(0.0))):
+            _timed(call, steps // 10)
+            rows.append(_row(name, "nothing finishes, a busy second thread", _timed(call, steps), steps,
+                             pending=pending))
+    finally:
+        stop.set()
+        thread.join()
+        worker.close()
+        mm.close()
+    return rows
+
+
 def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> list[Row]:
     """A read posted before each step's busy CPU, done by the time the step asks."""
     geo = build(READ_SHAPE, 1, 0)
@@ -139,8 +179,7 @@ def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> l
 
 def _floor(steps: int) -> list[Row]:
     bell, read_end = Doorbell.make(records=True)
-    engine = EngineClient.__new__(EngineClient)  # only its doorbell: no daemon connection
-    engine.doorbell, engine._bell, engine._records = read_end, None, Records()
+    engine = EngineClient.of_doorbell(read_end)
     done = P.Completion("a-request-id-of-typical-length-0123456789", "received", [], "", 1 << 20, 0.0003)
     write, read = [], []
     for _ in range(steps):
@@ -160,6 +199,7 @@ def _floor(steps: int) -> list[Row]:
 def run(steps: int = 2000, pending: int = 16) -> list[Row]:
     with daemons(2) as (decode, prefill):
         rows = [*_nothing_finishes(decode.socket, steps, pending),
+                *_busy_thread(decode.socket, steps, pending),
                 *_one_read_finishes(decode.socket, prefill.socket, steps)]
     return rows + _floor(steps)
 
