@@ -123,7 +123,8 @@ class Doorbell:
 # the GIL waited for them to give it back: 9-19 us p50 and 54-143 us p99 against 3 and 13 us
 # with a thread busy 0.3 ms of every 1 ms (`kvxferd bench step`). So the call must never wait:
 # preadv2(RWF_NOWAIT) does not, whatever the pipe's O_NONBLOCK (a flag of the open file, which
-# whoever else holds it could clear).
+# whoever else holds it could clear). Pipes take RWF_NOWAIT from Linux 6.4; before, and where the
+# C library has no preadv2, a plain read(2) of the pipe the engine set non-blocking.
 _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls keep the GIL
 
 
@@ -131,9 +132,15 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-_preadv2 = _libc.preadv2
-_preadv2.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_int, ctypes.c_long, ctypes.c_int]
-_preadv2.restype = ctypes.c_ssize_t
+_preadv2 = getattr(_libc, "preadv2", None)
+if _preadv2 is not None:
+    _preadv2.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    _preadv2.restype = ctypes.c_ssize_t
+_read = _libc.read
+_read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+_read.restype = ctypes.c_ssize_t
+_NO_NOWAIT = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)  # this kernel cannot read a pipe RWF_NOWAIT
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)
 
 
 class PipeReader:
@@ -144,10 +151,17 @@ class PipeReader:
         self._buf = ctypes.create_string_buffer(size)
         self._iov = _Iovec(ctypes.addressof(self._buf), size)
         self.size = size
+        self.nowait = _preadv2 is not None  # False: plain read(2) on the non-blocking pipe
 
     def read(self, fd: int) -> bytes | None:
         """What the pipe holds, up to `size` bytes (b"" at end of file); None when it is empty."""
-        n = _preadv2(fd, ctypes.byref(self._iov), 1, -1, os.RWF_NOWAIT)  # -1: the pipe's own position
+        if self.nowait and _preadv2 is not None:
+            n = _preadv2(fd, ctypes.byref(self._iov), 1, -1, _RWF_NOWAIT)  # -1: the pipe's own position
+            if n < 0 and ctypes.get_errno() in _NO_NOWAIT:
+                self.nowait = False
+                return self.read(fd)
+        else:
+            n = _read(fd, self._buf, self.size)
         if n >= 0:
             return ctypes.string_at(self._buf, n)
         err = ctypes.get_errno()

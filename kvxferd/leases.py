@@ -38,6 +38,8 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from . import handshake as hs
 from . import protocol as P
 from .recorder import Recorder
@@ -272,6 +274,8 @@ class Leases:
         try:
             return asyncio.ensure_future(self._links.to(host, port).ask(req, self._timeout_s))
         except Exception as exc:  # whatever one peer's address does, the other peers' requests still go
+            if not isinstance(exc, hs.HandshakeError | zmq.ZMQError | OSError):
+                log.error("lease request to %s:%d failed unexpectedly", host, port, exc_info=exc)
             failed: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc if isinstance(exc, hs.HandshakeError) else
                                  hs.HandshakeError("unreachable", f"side channel to {host}:{port}: {exc}"))

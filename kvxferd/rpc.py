@@ -243,23 +243,25 @@ class ServerConnection:
         be answered now (the burst stopped at UNSENT_HIGH and the socket took it)."""
         burst: list[bytes] = []  # framed replies not handed to the socket yet
         held = 0  # their bytes, counted against UNSENT_HIGH as if unsent
-        while self.backlog and not self.busy and not self.closed and self.unsent + held < UNSENT_HIGH:
-            reply = self.on_frame(self, self.backlog.popleft())
-            if isinstance(reply, bytes) and not self._fds_out:
-                burst.append(frame(reply))
-                held += len(burst[-1])
-                continue
+        try:
+            while self.backlog and not self.busy and not self.closed and self.unsent + held < UNSENT_HIGH:
+                reply = self.on_frame(self, self.backlog.popleft())
+                if isinstance(reply, bytes) and not self._fds_out:
+                    burst.append(frame(reply))
+                    held += len(burst[-1])
+                    continue
+                if burst:
+                    self._put(memoryview(b"".join(burst)), [])
+                    burst, held = [], 0
+                if isinstance(reply, bytes):
+                    self.write(reply)
+                else:
+                    self.busy = True
+                    self._pending = asyncio.ensure_future(reply)
+                    self._pending.add_done_callback(self._replied)
+        finally:  # a handler that raised loses its own reply, not the ones before it
             if burst:
-                self._put(memoryview(b"".join(burst)), [])
-                burst, held = [], 0
-            if isinstance(reply, bytes):
-                self.write(reply)
-            else:
-                self.busy = True
-                self._pending = asyncio.ensure_future(reply)
-                self._pending.add_done_callback(self._replied)
-        if burst:
-            self._put(memoryview(burst[0] if len(burst) == 1 else b"".join(burst)), [])
+                self._put(memoryview(burst[0] if len(burst) == 1 else b"".join(burst)), [])
         return bool(self.backlog) and not self.busy and not self.closed and self.unsent < UNSENT_HIGH
 
     def _pace_reading(self) -> None:

@@ -127,12 +127,14 @@ class Links:
         (engines name the addresses their reads go to: they may name many)."""
         link = self._links.pop((host, port), None)
         if link is None:
+            idle = None
             if len(self._links) >= MAX_LINKS:
                 idle = next((k for k, old in self._links.items() if not old.waiting), None)
                 if idle is None:
                     raise hs.HandshakeError("unreachable", f"{MAX_LINKS} peer daemons have lease requests waiting")
+            link = Link(self._ctx, host, port, self._curve)  # first: an address that fails evicts nothing
+            if idle is not None:
                 self._links.pop(idle).close()
-            link = Link(self._ctx, host, port, self._curve)
         self._links[(host, port)] = link  # to the end: the most recently used
         return link
 

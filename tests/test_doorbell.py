@@ -416,3 +416,37 @@ def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path)
         server.close()
         decoy.close()
         kept.close()
+
+
+@pytest.mark.parametrize("kernel", ["refuses RWF_NOWAIT on pipes", "C library without preadv2"])
+def test_a_kernel_without_nowait_pipe_reads_falls_back_to_plain_reads(monkeypatch, kernel):
+    """Pipes take RWF_NOWAIT from Linux 6.4 (EOPNOTSUPP before); some C libraries have no
+    preadv2. The engine then reads its non-blocking pipe with read(2), still keeping the GIL,
+    instead of taking the refusal for a lost daemon at every step."""
+    import ctypes
+    import errno
+
+    from kvxferd import doorbell
+
+    calls = []
+
+    def refusing(*args):
+        calls.append(args)
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(doorbell, "_preadv2", refusing if kernel.startswith("refuses") else None)
+    read_end, write_end = os.pipe2(os.O_NONBLOCK)
+    try:
+        pipe = PipeReader(1 << 16)
+        assert pipe.read(read_end) is None
+        assert not pipe.nowait and len(calls) <= 1  # asked once at most, then read(2)
+        os.write(write_end, b"abc")
+        assert pipe.read(read_end) == b"abc"
+        os.close(write_end)
+        write_end = -1
+        assert pipe.read(read_end) == b""
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)

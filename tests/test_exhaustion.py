@@ -498,3 +498,35 @@ def test_replies_past_the_unsent_bound_that_the_socket_takes_do_not_stall_the_co
         return replies
 
     assert asyncio.run(scenario()) == 40
+
+
+def test_a_handler_that_raises_loses_its_own_reply_only():
+    """Replies wait in a burst until the burst ends: a request whose handler raises must not take
+    the replies before it down with it."""
+
+    async def scenario() -> list[bytes]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        a.setblocking(False)
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, _ctx: None)  # the raise, logged elsewhere
+
+        def on_frame(_c: rpc.ServerConnection, data: bytes | Exception) -> bytes:
+            if data == b"boom":
+                raise RuntimeError("a handler fault")
+            return b"re:" + data if isinstance(data, bytes) else b""
+
+        conn = rpc.ServerConnection(b, 1 << 20, on_frame, lambda _c: None)
+        a.sendall(rpc.frame(b"one") + rpc.frame(b"two") + rpc.frame(b"boom"))
+        reader, replies = rpc.FrameReader(), []
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            try:
+                replies += reader.feed(a.recv(1 << 16))
+            except BlockingIOError:
+                pass
+            if len(replies) >= 2:
+                break
+        conn.close(force=True)
+        a.close()
+        return [bytes(r) for r in replies]
+
+    assert asyncio.run(scenario()) == [b"re:one", b"re:two"]
