@@ -261,7 +261,7 @@ class ServerConnection:
                     self._pending.add_done_callback(self._replied)
         finally:  # a handler that raised loses its own reply, not the ones before it
             if burst:
-                self._put(memoryview(burst[0] if len(burst) == 1 else b"".join(burst)), [])
+                self._put(memoryview(b"".join(burst)), [])  # one reply: join returns it, no copy
         return bool(self.backlog) and not self.busy and not self.closed and self.unsent < UNSENT_HIGH
 
     def _pace_reading(self) -> None:

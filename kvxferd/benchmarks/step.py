@@ -7,7 +7,7 @@ busy CPU, as an engine's own step would.
 * The doorbell check alone, nothing finishing, with a second thread of the engine's busy 0.3 ms
   of every 1 ms, as vLLM's output thread is. Baseline, in the same run: the pipe checked with
   poll(2), which lets go of the GIL and so may wait for that thread; the worker reads the pipe
-  keeping it (doorbell.read_held).
+  keeping it (doorbell.PipeReader).
 * One read finishes each step (16 blocks from a prefill on a second daemon, posted before the
   step's busy CPU, untimed). Baseline, in the same run: protocol 6's doorbell, a byte that says a
   poll would find something, then the poll (a bare client: no bookkeeping). The worker as it
