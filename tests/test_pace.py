@@ -37,10 +37,10 @@ def test_a_wake_ends_the_sleep_and_a_timeout_ends_it_without_one():
         assert time.monotonic() - t0 >= 0.045  # the timeout ended it
         sleeper = asyncio.ensure_future(wake.sleep(30.0))
         await asyncio.sleep(0.01)
-        t0 = time.monotonic()
         wake.set()
-        await asyncio.wait_for(sleeper, 5.0)
-        assert time.monotonic() - t0 < 1.0  # the wake ended it
+        for _ in range(3):  # the sleeper's task resumes within a few loop turns, not 30 s on
+            await asyncio.sleep(0)
+        assert sleeper.done()  # the wake ended it
         cancelled = asyncio.ensure_future(wake.sleep(30.0))
         await asyncio.sleep(0.01)
         cancelled.cancel()
