@@ -220,7 +220,9 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
-            self.stall.tick(now, HOUSEKEEPING_S)
+            held_s = self.stall.tick(now, HOUSEKEEPING_S)
+            if held_s:  # before expiring: a claim that could not be answered meanwhile keeps its hold
+                self.holds.paused(held_s)
             self.holds.expire(now)
             self.leases.renew(now)
             self.links.close_idle(now)

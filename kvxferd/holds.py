@@ -16,6 +16,9 @@ its read `expired` rather than report bytes the engine may have reused (leases.p
     held --lease or pins pass--> expired          held --consumers all notified, no pin--> sent
     held --consumers all notified, pinned--> consumed --pins pass or their agents notify--> sent
 
+Leases and pins count the daemon's running time: a loop held or a process paused for seconds
+could answer no claim meanwhile (`Holds.paused`).
+
 With the integrity audit, a hold digests its blocks' bytes as they are when held
 (integrity.py); a consumer's audit compares them again (a changed row: the block was reused)
 and digests the rows the consumer read.
@@ -327,6 +330,22 @@ class Holds:
         self._forget(held, "sent")
         held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids, seconds=now - held.since))
 
+    def paused(self, seconds: float) -> None:
+        """This daemon did not run for `seconds` (its loop held, the process or its host
+        stopped): no claim could be answered meanwhile, so that time does not count against any
+        lease or pin. Each moves on by it, at most to max_lease_s after its hold began (how long
+        the engine keeps blocks the daemon accepted once it loses the daemon). A hold only ever
+        lives longer for it: no grant told to a decode ends sooner."""
+        for held in self._held.values():
+            cap = held.since + self._max_lease_s
+            held.lease_until = _moved(held.lease_until, seconds, cap)
+            held.pins = {agent: _moved(t, seconds, cap) for agent, t in held.pins.items()}
+            held.deadline = _moved(held.deadline, seconds, cap)  # the later of the two, moved alike
+        self._leases = [(held.deadline, next(self._seq), held) for held in self._held.values()]
+        heapq.heapify(self._leases)
+        if self._held:
+            log.warning("daemon paused %.1f s: %d holds' leases and pins moved on by that", seconds, len(self._held))
+
     def expire(self, now: float) -> None:
         """End holds whose lease passed; forget early notifications older than any lease."""
         while self._leases and self._leases[0][0] <= now:
@@ -494,3 +513,8 @@ class Holds:
         return [P.HoldStatus(h.engine.engine_id, h.engine.tp_rank, h.request_id,
                              f"{h.count}/{h.expected or '?'}", now - h.since, h.deadline - now)
                 for h in itertools.islice(self._held.values(), limit)]
+
+
+def _moved(t: float, seconds: float, cap: float) -> float:
+    """`t` later by `seconds`, not past `cap` (nor earlier than it was)."""
+    return min(t + seconds, max(t, cap))

@@ -30,15 +30,18 @@ class StallWatch:
         self._last = now  # the last tick
         self._armed = -REARM_S  # when faulthandler was last armed
 
-    def tick(self, now: float, expected_s: float) -> None:
-        """A housekeeping tick that meant to come `expected_s` after the last one."""
+    def tick(self, now: float, expected_s: float) -> float:
+        """A housekeeping tick that meant to come `expected_s` after the last one; returns how
+        long the loop was held (over LOG_AFTER_S; else 0)."""
         held = now - self._last - expected_s
         self._last = now
-        if held > LOG_AFTER_S:
-            log.warning("event loop held %.1f s%s", held,
-                        " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
         if now - self._armed >= REARM_S:
             self.arm(now)
+        if held <= LOG_AFTER_S:
+            return 0.0
+        log.warning("event loop held %.1f s%s", held,
+                    " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
+        return held
 
     def arm(self, now: float) -> None:
         if self._fd is None:

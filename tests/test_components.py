@@ -265,6 +265,29 @@ async def test_lease_ends_as_expired_and_renewal_extends_it(w: World) -> None:
 
 
 @in_world
+async def test_time_the_daemon_did_not_run_does_not_count_against_a_hold(w: World) -> None:
+    """The daemon's loop held, or it or its host stopped: nobody could renew a claim meanwhile.
+    Leases and pins move on by that time, never past max_lease_s (60 s here) after the hold."""
+    p_er = w.prefill.rank
+    assert p_er is not None
+    t0 = time.monotonic()
+    w.holds.hold(p_er, P.Hold("prefill", 0, "a", 1.0, [[3]]))
+    w.holds.hold(p_er, P.Hold("prefill", 0, "b", 1.0, [[4]]))
+    claim = hs.LeaseRequest(hs.LEASE_VERSION, 1, "decode-agent", 2.0, [hs.Claimed("prefill", 0, "b")])
+    assert w.holds.answer_lease(claim).answers[0].state == "held"  # pinned for 2 s
+    w.holds.paused(5.0)
+    w.holds.expire(t0 + 5.9)  # 0.9 s of running time: neither the 1 s lease nor the 2 s pin passed
+    assert not p_er.completions and w.holds.held == 2
+    w.holds.expire(t0 + 6.5)  # a's lease passed; b's pin did not
+    assert [(c.request_id, c.status) for c in p_er.completions] == [("a", "expired")]
+    w.holds.paused(100.0)  # b lives on to 60 s after it was held, not past
+    w.holds.expire(t0 + 59.9)
+    assert w.holds.held == 1
+    w.holds.expire(t0 + 60.5)
+    assert [(c.request_id, c.status) for c in p_er.completions] == [("a", "expired"), ("b", "expired")]
+
+
+@in_world
 async def test_handshake_answer_describes_the_serving_ranks(w: World) -> None:
     reply = w.holds.answer_handshake(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill"))
     assert reply.ok and reply.agent == w.prefill.nixl.name and [r.tp_rank for r in reply.ranks] == [0]

@@ -10,6 +10,8 @@ a decode that goes away stops doing so.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 
@@ -65,6 +67,29 @@ def test_an_announced_read_keeps_the_hold_alive_past_its_lease():
         blocks = c.prefill.prefill(1, TOKENS, 1.0)
         c.decode.expect(1, c.remote(1))
         time.sleep(3.5)  # three leases: renewed every ~0.7 s
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)  # verified byte for byte
+        assert out["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
+        assert c.status(0).counters.expired == 0
+
+
+def test_a_host_paused_past_the_claims_grant_keeps_the_hold():
+    """Both daemons stopped (a paused VM, a frozen node) for longer than the decode's claims
+    were granted: nobody could renew them meanwhile. On waking, the prefill daemon counts only
+    the time it ran: the announced read gets the request's own bytes and the hold ends `sent`."""
+    with Cluster(SHAPE, 2, 2, daemon_args=["--claim-s", "1"]) as c:
+        c.transfer(0, TOKENS)
+        blocks = c.prefill.prefill(1, TOKENS, 1.0)
+        c.decode.expect(1, c.remote(1))
+        time.sleep(0.5)  # pinned (claimed at once, renewed every ~0.7 s)
+        stopped = [d.proc.pid for d in c.daemons]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.0)  # three grants
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
         out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)  # verified byte for byte
         assert out["status"] == "received"
         assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
