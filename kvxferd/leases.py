@@ -13,7 +13,8 @@ vouched that the hold lived from before the READ's post to after its end:
     READ seen DONE at t:   a claim covers t -> "received" at once (no round trip)
                            else ask again:  held / consumed -> "received"
                                             ended, or pending until the deadline -> "failed expired"
-    while anything holds a claim (renewal on): asked again when a third of its grant is left;
+    while anything holds a claim (renewal on): asked again when a third of its grant is left
+                                               (of a grant past 2 x claim_s: when 2/3 claim_s is left);
                                                while the hold is not there yet, from 50 ms on, backing off
 
 Why this is enough: the prefill daemon answers "held" only for a hold that never ended (one held
@@ -357,7 +358,11 @@ class Leases:
             c = self._claims.get(key)
             if c is None or c.asking is not None:
                 continue
-            if (c.state == "held" and c.until - now < self._extend_s * 2 / 3) or c.state == "pending" or c.unanswered:
+            if c.state == "held" and c.until - now >= self._extend_s * 2 / 3:
+                # granted past two claims' length (the engine's own lease is longer): asked again
+                # when two-thirds of a claim's length is left of it, not never
+                heapq.heappush(self._renewals, (c.until - self._extend_s * 2 / 3, key))
+            elif c.state == "held" or c.state == "pending" or c.unanswered:
                 self._queue(key, c)
         if len(self._renewals) > 2 * len(self._claims) + 64:  # released claims left stale entries
             self._renewals = [e for e in self._renewals if e[1] in self._claims]

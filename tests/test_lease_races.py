@@ -108,7 +108,7 @@ def test_a_grant_of_a_prefill_daemon_since_restarted_vouches_for_nothing(tmp_pat
 
 
 class _FakeRank:
-    engine_id, tp_rank, key = "prefill", 0, ("prefill", 0)
+    engine_id, tp_rank, key, epoch = "prefill", 0, ("prefill", 0), ""
     geometry = SimpleNamespace(groups=[SimpleNamespace(name="attn", num_blocks=64)])
 
     def __init__(self) -> None:
@@ -136,6 +136,32 @@ def test_a_claim_released_and_made_again_in_one_turn_stays_pinned():
         await asyncio.sleep(0.05)
         holds.expire(time.monotonic())
         assert not (er.done and leases.covers(k, time.monotonic())), "vouched for a hold that expired"
+        assert not er.done and leases.covers(k, time.monotonic())  # and it is still pinned, its lease past
+    asyncio.run(main())
+
+
+def test_a_claim_granted_past_two_claims_length_is_still_renewed():
+    """The engine's own lease (vLLM's 120 s) is longer than two claims (claim_s 20 s): the first
+    answer grants the whole lease. The claim is asked again before that grant passes, so a
+    decode still waiting keeps the hold past the lease."""
+    async def main() -> None:
+        er = _FakeRank()
+        holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=60)
+        holds.hold(er, P.Hold("prefill", 0, "r1", 1.5, [[1, 2]]))
+
+        class Link:
+            async def ask(self, req, timeout_s):
+                return holds.answer_lease(req)
+        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", 0.3, True, 5.0)
+        k = [("127.0.0.1", 5600, "prefill", 0, "r1")]
+        leases.acquire(k)  # answered: held for ~1.5 s, five claims' length
+        end = time.monotonic() + 3.0
+        while (now := time.monotonic()) < end:  # the two daemons' housekeeping
+            leases.renew(now)
+            holds.expire(now)
+            await asyncio.sleep(0.02)
+        assert not er.done, "the hold expired while its claim was needed"
+        assert leases.covers(k, time.monotonic())
     asyncio.run(main())
 
 
