@@ -358,10 +358,11 @@ class Leases:
             c = self._claims.get(key)
             if c is None or c.asking is not None:
                 continue
-            if c.state == "held" and c.until - now >= self._extend_s * 2 / 3:
+            due = c.until - self._extend_s * 2 / 3
+            if c.state == "held" and due > now:  # (strictly later: this loop must not pop it again)
                 # granted past two claims' length (the engine's own lease is longer): asked again
                 # when two-thirds of a claim's length is left of it, not never
-                heapq.heappush(self._renewals, (c.until - self._extend_s * 2 / 3, key))
+                heapq.heappush(self._renewals, (due, key))
             elif c.state == "held" or c.state == "pending" or c.unanswered:
                 self._queue(key, c)
         if len(self._renewals) > 2 * len(self._claims) + 64:  # released claims left stale entries
