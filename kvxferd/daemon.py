@@ -223,6 +223,7 @@ class Daemon:
             held_s = self.stall.tick(now, HOUSEKEEPING_S)
             if held_s:  # before expiring: a claim that could not be answered meanwhile keeps its hold
                 self.holds.paused(held_s)
+                self.stall.restart(time.monotonic())  # moving many holds on is not itself a pause
             self.holds.expire(now)
             self.leases.renew(now)
             self.links.close_idle(now)

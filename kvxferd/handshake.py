@@ -179,9 +179,14 @@ ClaimState = Literal["held", "consumed", "pending", "ended"]
 # pending: not held yet (an engine step behind its request);  ended: expired, dropped, or unknown
 
 
+MAX_GRANT_S = 1e7  # a claim's grant, at most: far past any max_lease_s
+
+
 class ClaimAnswer(msgspec.Struct, array_like=True):
     state: ClaimState
-    granted_s: float = 0.0  # held: not ended before this long after the request arrived
+    # held: not ended before this long after the request arrived (bounded: NaN or a negative
+    # would stop the decode's renewal heap)
+    granted_s: Annotated[float, Meta(ge=0, le=MAX_GRANT_S)] = 0.0
     # held, consumed: the registration of the engine holding it (ProbeRequest). A read planned
     # against another one read memory of an engine that has restarted under the same id.
     epoch: str = ""

@@ -35,13 +35,17 @@ class StallWatch:
         long the loop was held (over LOG_AFTER_S; else 0)."""
         held = now - self._last - expected_s
         self._last = now
+        if held > LOG_AFTER_S:
+            log.warning("event loop held %.1f s%s", held,
+                        " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
         if now - self._armed >= REARM_S:
             self.arm(now)
-        if held <= LOG_AFTER_S:
-            return 0.0
-        log.warning("event loop held %.1f s%s", held,
-                    " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
-        return held
+        return held if held > LOG_AFTER_S else 0.0
+
+    def restart(self, now: float) -> None:
+        """The next tick is late from `now` on: what ran since the last tick (catching up on a
+        pause) is not counted as the loop held."""
+        self._last = now
 
     def arm(self, now: float) -> None:
         if self._fd is None:

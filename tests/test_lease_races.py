@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -163,6 +164,40 @@ def test_a_claim_granted_past_two_claims_length_is_still_renewed():
         assert not er.done, "the hold expired while its claim was needed"
         assert leases.covers(k, time.monotonic())
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("now, until", [(2664039.274012138, 2664052.6073454716), (1000.0, 1000.0 + 20 * 2 / 3)])
+def test_a_long_grants_next_renewal_never_falls_due_at_once(now, until):
+    """Where `until - 2/3 claim_s` rounds to `now`, the renewal due then is asked at once, not
+    pushed back as due now (the loop that pops due renewals would pop it again, for ever)."""
+    def stuck(*_: object) -> None:
+        raise TimeoutError("Leases.renew did not return")
+
+    async def main() -> None:
+        leases = Leases(SimpleNamespace(to=lambda h, p: None), Recorder(), "me", 20.0, True, 5.0)
+        key = ("10.0.0.1", 5600, "prefill", 0, "r1")
+        leases._claims[key] = leases_mod.Claim(holders=1, state="held", until=until)
+        leases._renewals.append((now, key))
+        previous = signal.signal(signal.SIGALRM, stuck)
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        try:
+            leases.renew(now)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert leases._claims[key].asking is not None  # asked now
+        leases._claims.clear()  # the queued ask would go to a fake link
+        leases._queued.clear()
+    asyncio.run(main())
+
+
+def test_a_grant_that_is_no_duration_is_not_decoded():
+    """NaN, infinite or negative grants from a peer: the whole reply is dropped (the claim is
+    unanswered, its read fails closed), never a NaN at the top of the renewal heap."""
+    for bad in (float("nan"), float("inf"), -1.0, 1e300):
+        raw = msgspec.msgpack.encode(hs.LeaseReply(True, seq=1, answers=[hs.ClaimAnswer("held", bad)]))
+        with pytest.raises(msgspec.ValidationError):
+            hs.lease_reply_decoder.decode(raw)
 
 
 def test_a_refusing_peer_is_asked_again_at_most_every_retry():

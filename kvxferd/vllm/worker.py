@@ -128,7 +128,7 @@ class WorkerSide:
                     self.holds[request_id] = (order, end)
                 client.hold(order.request_id, max(0.1, min(end - now, client.max_lease_s or end - now)),
                             order.block_ids)
-                accepted[order.request_id] = now
+                accepted[order.request_id] = time.monotonic()  # answered: the daemon's hold began before
             self.accepted.update(accepted)
             self.daemon_agent, self.max_lease_s = client.agent, client.max_lease_s
         except (*LOST, DaemonError) as exc:
@@ -198,9 +198,9 @@ class WorkerSide:
                 self.reading[read.request_id] = read
             reads.append(read)
         if orders.expects or orders.holds or reads:
-            self._send(orders.expects, orders.holds, reads, now)
+            self._send(orders.expects, orders.holds, reads)
 
-    def _send(self, expects: list[ExpectOrder], holds: list[HoldOrder], reads: list[ReadOrder], now: float) -> None:
+    def _send(self, expects: list[ExpectOrder], holds: list[HoldOrder], reads: list[ReadOrder]) -> None:
         """A step's orders in one frame: one round trip per step, however many it holds."""
         if self.client is None:
             for read in reads:
@@ -215,9 +215,9 @@ class WorkerSide:
             *((o.request_id, r.read(o.request_id, o.remote, o.num_tokens, o.local_blocks, o.remote_blocks,
                                     self.read_deadline_s)) for o in reads)]
         for i in range(0, len(sent), P.MAX_BATCH):  # a step with more orders than a frame holds
-            self._send_frame(sent[i:i + P.MAX_BATCH], now)
+            self._send_frame(sent[i:i + P.MAX_BATCH])
 
-    def _send_frame(self, sent: list[tuple[str, Order]], now: float) -> None:
+    def _send_frame(self, sent: list[tuple[str, Order]]) -> None:
         if self.client is None:  # lost with an earlier frame of this step: `_lost` failed its reads
             return
         try:
@@ -227,13 +227,14 @@ class WorkerSide:
             return
         except DaemonError as exc:  # the frame itself refused (its size): every order in it
             outcomes = [exc] * len(sent)
-        self._settle(sent, outcomes, now)
+        self._settle(sent, outcomes)
 
-    def _settle(self, sent: list[tuple[str, Order]], outcomes: list[DaemonError | None], now: float) -> None:
+    def _settle(self, sent: list[tuple[str, Order]], outcomes: list[DaemonError | None]) -> None:
+        answered = time.monotonic()  # the daemon's holds began before: kept from here (`_lost`) outlives them
         for (request_id, order), refused in zip(sent, outcomes):
             if refused is None:
                 if isinstance(order, P.Hold):
-                    self.accepted[request_id] = now
+                    self.accepted[request_id] = answered
                 continue
             log.warning("kvxferd refused %s of request %s: %s", type(order).__name__.lower(), request_id, refused)
             if isinstance(order, P.Read):  # a refused hold waits for its lease; an expect changes nothing
