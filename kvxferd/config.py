@@ -62,7 +62,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # decode, check every read against the prefill's digests before reporting it received.
     # A hold's `digest` and a read's `audit` override it per request.
     integrity_audit: bool = False
-    max_lease_s: float = 600.0  # a hold's lease, and how long claims may keep a hold alive in all
+    # a hold's lease, and how long claims may keep a hold alive in all (a grant past 1e7 s is
+    # refused on the wire: handshake.MAX_GRANT_S)
+    max_lease_s: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 600.0
     # Fail-closed reads (leases.py): a read is `received` only when the prefill daemon vouched that
     # its holds lived through the READ. Off: reads are reported as NIXL ends them (for peers
     # before side-channel version 3, which cannot vouch; their reads otherwise fail `expired`).

@@ -367,6 +367,34 @@ def test_a_worker_that_loses_a_living_daemon_keeps_what_it_may_have_vouched_for(
         daemon.stop()
 
 
+def test_a_hold_whose_answer_never_came_is_kept_as_one_the_daemon_took(tmp_path):
+    """The step's frame reached the daemon, which took the hold (and may have granted claims on
+    it), but its answer never came (an RPC timeout): the worker keeps those blocks as long as
+    the holds the daemon answered, not just to the hold's own 0.3 s lease."""
+    from kvxferd.vllm.handoff import HoldOrder, Orders
+
+    daemon = DaemonProcess(tmp_path, "daemon", extra=["--max-lease-s", "3"])
+    try:
+        w = holding_worker(daemon)
+        client = w.client
+        real_batch = client.batch
+
+        def unanswered(orders):
+            real_batch(orders)  # the daemon has them
+            raise TimeoutError("no reply within the RPC timeout")
+        client.batch = unanswered
+        w.start(Orders([HoldOrder("r2", [[3]], 0.3)], []))
+        assert w.client is None  # lost
+        t0 = time.monotonic()
+        while "r2" not in w.results().sending:
+            assert time.monotonic() - t0 < 10, "never freed"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 > 2.0, "freed at its own lease, before claims on it could end"
+        w.close()
+    finally:
+        daemon.stop()
+
+
 def test_a_hold_that_never_comes_is_asked_about_less_and_less():
     """An expectation naming a request the prefill never holds (any client can name one): its
     claim is asked again from 50 ms on, backing off to every 2 s, not 20 times a second."""

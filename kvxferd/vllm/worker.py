@@ -223,6 +223,10 @@ class WorkerSide:
         try:
             outcomes: list[DaemonError | None] = self.client.batch([order for _, order in sent])
         except LOST as exc:
+            # the daemon may have taken this frame's holds, and vouched for them, before it went
+            # quiet: kept as long as accepted ones (`_lost`)
+            answered = time.monotonic()
+            self.accepted.update((rid, answered) for rid, order in sent if isinstance(order, P.Hold))
             self._lost(exc)
             return
         except DaemonError as exc:  # the frame itself refused (its size): every order in it
