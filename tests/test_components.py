@@ -273,17 +273,17 @@ async def test_time_the_daemon_did_not_run_does_not_count_against_a_hold(w: Worl
     t0 = time.monotonic()
     w.holds.hold(p_er, P.Hold("prefill", 0, "a", 1.0, [[3]]))
     w.holds.hold(p_er, P.Hold("prefill", 0, "b", 1.0, [[4]]))
-    claim = hs.LeaseRequest(hs.LEASE_VERSION, 1, "decode-agent", 2.0, [hs.Claimed("prefill", 0, "b")])
-    assert w.holds.answer_lease(claim).answers[0].state == "held"  # pinned for 2 s
+    claim = hs.LeaseRequest(hs.LEASE_VERSION, 1, "decode-agent", 4.0, [hs.Claimed("prefill", 0, "b")])
+    assert w.holds.answer_lease(claim).answers[0].state == "held"  # pinned for 4 s
     w.holds.paused(5.0)
-    w.holds.expire(t0 + 5.9)  # 0.9 s of running time: neither the 1 s lease nor the 2 s pin passed
+    w.holds.expire(t0 + 5.9)  # under 1 s of running time: neither the 1 s lease nor the 4 s pin passed
     assert not p_er.completions and w.holds.held == 2
-    w.holds.expire(t0 + 6.5)  # a's lease passed; b's pin did not
+    w.holds.expire(t0 + 7.5)  # a's lease passed; b's pin did not
     assert [(c.request_id, c.status) for c in p_er.completions] == [("a", "expired")]
     w.holds.paused(100.0)  # b lives on to 60 s after it was held, not past
     w.holds.expire(t0 + 59.9)
     assert w.holds.held == 1
-    w.holds.expire(t0 + 60.5)
+    w.holds.expire(t0 + 61.5)
     assert [(c.request_id, c.status) for c in p_er.completions] == [("a", "expired"), ("b", "expired")]
 
 
