@@ -119,17 +119,23 @@ class _FakeRank:
         self.done.append((c.request_id, c.status))
 
 
+def held_and_claimed(lease_s: float, claim_s: float) -> tuple[_FakeRank, Holds, Leases, list]:
+    """A prefill's Holds holding r1 under `lease_s`, and a decode's Leases whose claims (of
+    `claim_s`) it answers in process; returns (its engine rank, holds, leases, r1's claim keys)."""
+    er = _FakeRank()
+    holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=60)
+    holds.hold(er, P.Hold("prefill", 0, "r1", lease_s, [[1, 2]]))
+
+    class Link:
+        async def ask(self, req, timeout_s):
+            return holds.answer_lease(req)
+    leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", claim_s, True, 5.0)
+    return er, holds, leases, [("127.0.0.1", 5600, "prefill", 0, "r1")]
+
+
 def test_a_claim_released_and_made_again_in_one_turn_stays_pinned():
     async def main() -> None:
-        er = _FakeRank()
-        holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=60)
-        holds.hold(er, P.Hold("prefill", 0, "r1", 0.2, [[1, 2]]))
-
-        class Link:
-            async def ask(self, req, timeout_s):
-                return holds.answer_lease(req)
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", 20.0, True, 5.0)
-        k = [("127.0.0.1", 5600, "prefill", 0, "r1")]
+        er, holds, leases, k = held_and_claimed(0.2, 20.0)
         leases.acquire(k)
         await asyncio.sleep(0.3)
         leases.release(k)
@@ -146,15 +152,7 @@ def test_a_claim_granted_past_two_claims_length_is_still_renewed():
     answer grants the whole lease. The claim is asked again before that grant passes, so a
     decode still waiting keeps the hold past the lease."""
     async def main() -> None:
-        er = _FakeRank()
-        holds = Holds(SimpleNamespace(knows=lambda k: True), SimpleNamespace(name="p"), Recorder(), max_lease_s=60)
-        holds.hold(er, P.Hold("prefill", 0, "r1", 3.0, [[1, 2]]))
-
-        class Link:
-            async def ask(self, req, timeout_s):
-                return holds.answer_lease(req)
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", 1.0, True, 5.0)
-        k = [("127.0.0.1", 5600, "prefill", 0, "r1")]
+        er, holds, leases, k = held_and_claimed(3.0, 1.0)
         leases.acquire(k)  # answered: held for ~3 s, three claims' length
         end = time.monotonic() + 5.0
         while (now := time.monotonic()) < end:  # the two daemons' housekeeping
