@@ -57,7 +57,7 @@ from .plan.descriptors import (
     peer_indices,
     remote_rows,
     request_chunks,
-    request_indices,
+    request_reads,
     row_blocks,
 )
 from .plan.geometry import GeometryError
@@ -137,10 +137,13 @@ class Transfer:
     def reads_on(self, route: Route) -> Reading:
         """What this request reads on `route`, per remote rank (its `read_ranks`)."""
         self.route = route
-        reads = request_indices(route.plan, RequestBlocks.of(self.msg.num_tokens, self.msg.local_blocks,
-                                                             self.msg.remote_blocks))
-        self.read_ranks = list(reads)
-        return Reading(reads, {rank: _bytes_read(route.plan.peers[rank], lids) for rank, (lids, _) in reads.items()})
+        reading = Reading({}, {})
+        for rank, lids, rids, nbytes in request_reads(route.plan, RequestBlocks.of(
+                self.msg.num_tokens, self.msg.local_blocks, self.msg.remote_blocks)):
+            reading.indices[rank] = lids, rids
+            reading.nbytes[rank] = nbytes
+        self.read_ranks = list(reading.indices)
+        return reading
 
     def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
         """Post a READ per remote rank read (split across lanes when large, `on_sliced` running
@@ -269,12 +272,6 @@ def _outside(host: str, allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Netw
     if any(addr in net for net in allowed):
         return ""
     return f"address {addr} is outside allowed_peers ({listed})"
-
-
-def _bytes_read(pp: PeerPlan, lids: np.ndarray) -> int:
-    """Bytes a set of local descriptor ids covers (each descriptor has its piece's length)."""
-    piece = np.searchsorted(pp.local_base, lids, side="right") - 1
-    return int(pp.length[piece].sum())
 
 
 class Reads:

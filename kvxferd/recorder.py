@@ -13,6 +13,7 @@ from collections import deque
 from typing import Literal, get_args
 
 import numpy as np
+from prometheus_client import Counter, Histogram
 
 from . import protocol as P
 from .metrics import Metrics
@@ -37,6 +38,19 @@ RETIRE_REASONS: tuple[RetireReason, ...] = get_args(RetireReason)
 RpcOutcome = Literal["ok", "error"]
 
 
+class _ReadSeries:
+    """One peer label's per-read series, looked up once (a `labels()` call costs ~2 us, and a
+    read touches four of them)."""
+
+    __slots__ = ("descriptors", "received", "received_bytes", "received_seconds")
+
+    def __init__(self, m: Metrics, peer: str) -> None:
+        self.descriptors = m.descriptors.labels(peer)
+        self.received = m.transfers.labels(peer, "received")
+        self.received_seconds = m.transfer_seconds.labels(peer, "received")
+        self.received_bytes = m.transfer_bytes.labels(peer)
+
+
 class Recorder:
     def __init__(self) -> None:
         self.metrics = Metrics()
@@ -46,6 +60,9 @@ class Recorder:
         self._rpc_to_post: deque[float] = deque(maxlen=8192)  # seconds
         self._rpc_to_completion: deque[float] = deque(maxlen=8192)
         self._peer_labels: set[str] = set()
+        self._read_series: dict[str, _ReadSeries] = {}  # by peer label: at most PEER_LABELS + 1
+        # by (method, outcome): method names are the protocol's, a bounded set
+        self._rpc_series: dict[tuple[str, RpcOutcome], tuple[Counter, Histogram]] = {}
         self._accept_logged = -1.0
         for state in PEER_STATES:  # every series from the start: dashboards and alerts see zeros
             self.metrics.peers.labels(state).set(0)
@@ -64,10 +81,21 @@ class Recorder:
             return peer
         return "other"
 
+    def _reads_of(self, peer: str) -> _ReadSeries:
+        label = self._peer(peer)
+        series = self._read_series.get(label)
+        if series is None:
+            series = self._read_series[label] = _ReadSeries(self.metrics, label)
+        return series
+
     # --- engine connections ---------------------------------------------------
     def rpc_answered(self, method: str, outcome: RpcOutcome, seconds: float) -> None:
-        self.metrics.rpc.labels(method, outcome).inc()
-        self.metrics.rpc_seconds.labels(method).observe(seconds)
+        series = self._rpc_series.get((method, outcome))
+        if series is None:
+            series = self._rpc_series[method, outcome] = (self.metrics.rpc.labels(method, outcome),
+                                                          self.metrics.rpc_seconds.labels(method))
+        series[0].inc()
+        series[1].observe(seconds)
 
     def request_forbidden(self, method: str) -> None:
         self.counters.forbidden += 1
@@ -107,7 +135,7 @@ class Recorder:
             self.counters.split_reads += 1
             self.metrics.split_reads.inc()
             self.metrics.read_slices.inc(slices)
-        self.metrics.descriptors.labels(self._peer(peer)).observe(descriptors)
+        self._reads_of(peer).descriptors.observe(descriptors)
         self.metrics.notifs_sent.inc(notifications)
         self.metrics.read_post.observe(since_rpc_s)
         self._rpc_to_post.append(since_rpc_s)
@@ -130,9 +158,10 @@ class Recorder:
 
     def read_received(self, peer: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
         self.counters.received += 1
-        self.metrics.transfers.labels(self._peer(peer), "received").inc()
-        self.metrics.transfer_seconds.labels(self._peer(peer), "received").observe(seconds)
-        self.metrics.transfer_bytes.labels(self._peer(peer)).inc(nbytes)
+        series = self._reads_of(peer)
+        series.received.inc()
+        series.received_seconds.observe(seconds)
+        series.received_bytes.inc(nbytes)
         self._rpc_to_completion.append(since_rpc_s)
         self._reads.append((time.time(), nbytes))
 

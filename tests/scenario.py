@@ -21,7 +21,7 @@ from kvxferd.plan.descriptors import (
     remote_descs,
     remote_rows,
     request_chunks,
-    request_indices,
+    request_reads,
     row_blocks,
 )
 from kvxferd.plan.geometry import ATTENTION, Geometry
@@ -48,12 +48,13 @@ def execute(plan: RankPlan, req: RequestBlocks, local_geo: Geometry, local_bufs:
     assert len(local_bufs) == 1, "scenario geometries use one buffer per rank"
     local_addr = region_addresses(local_geo, [0])
     moved = 0
-    for rank, (lids, rids) in request_indices(plan, req).items():
+    for rank, lids, rids, nbytes in request_reads(plan, req):
         peer = plan.peers[rank]
         ldesc = local_descs(peer, local_addr)
         rdesc = remote_descs(peer, region_addresses(remote_geos[rank], [0]))
         assert len(ldesc) == peer.num_local_descs and len(rdesc) == peer.num_remote_descs
         assert lids.max() < len(ldesc) and rids.max() < len(rdesc)
+        assert nbytes == int(ldesc[lids, 1].sum()), "the bytes a read counts are its descriptors' lengths"
         # what a posting lane computes for a slice of a read, checked against the whole arrays
         remote_addr = region_addresses(remote_geos[rank], [0])
         assert np.array_equal(local_rows(peer, lids, local_addr), ldesc[lids])

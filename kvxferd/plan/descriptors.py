@@ -262,12 +262,22 @@ def _ids(base: np.ndarray, pages: np.ndarray, page: np.ndarray, phase: np.ndarra
     return ids.ravel()
 
 
-def request_indices(plan: RankPlan, req: RequestBlocks) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per remote rank read from: (local ids, remote ids). Ranks with nothing to read are left out."""
+def peer_bytes(peer: PeerPlan, chunks: list[Chunks]) -> int:
+    """Bytes the descriptors `peer_indices` gives cover: each chunk of a group moves one
+    descriptor per piece, so a group's chunks times the sum of its pieces' lengths."""
+    return sum(len(ch.local_page) * cols.chunk_bytes for _, cols, ch in _groups_read(peer, chunks))
+
+
+def request_reads(plan: RankPlan, req: RequestBlocks) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    """Per remote rank read from: (rank, local ids, remote ids, bytes). Ranks with nothing to
+    read are left out."""
     chunks = request_chunks(plan, req)
-    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for rank, peer in plan.peers.items():
         lids, rids = peer_indices(peer, chunks)
         if len(lids):
-            out[rank] = (lids, rids)
-    return out
+            yield rank, lids, rids, peer_bytes(peer, chunks)
+
+
+def request_indices(plan: RankPlan, req: RequestBlocks) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per remote rank read from: (local ids, remote ids). Ranks with nothing to read are left out."""
+    return {rank: (lids, rids) for rank, lids, rids, _ in request_reads(plan, req)}

@@ -101,6 +101,7 @@ class GroupColumns:
     local_pages: np.ndarray
     remote_base: np.ndarray
     remote_pages: np.ndarray
+    chunk_bytes: int  # bytes one chunk moves: a descriptor per piece, each its piece's length
 
 
 @dataclass(frozen=True)
@@ -347,8 +348,8 @@ def _columns(rank: int, pieces: list[Piece], local: Geometry, remote: Geometry,
     by_group = {}
     for g in np.unique(groups).tolist():
         t = np.flatnonzero(groups == g)
-        by_group[g] = GroupColumns(*(np.ascontiguousarray(a[t, None], dtype=np.int32)
-                                     for a in (lbase, lpages, rbase, rpages)))
+        lb, lp, rb, rp = (np.ascontiguousarray(a[t, None], dtype=np.int32) for a in (lbase, lpages, rbase, rpages))
+        by_group[g] = GroupColumns(lb, lp, rb, rp, chunk_bytes=sum(pieces[i].length for i in t.tolist()))
     if max(lsize.sum(), rsize.sum()) >= 2**31:
         raise PlanError(f"remote rank {rank}: {max(lsize.sum(), rsize.sum())} descriptors exceed NIXL's int32 ids")
     return PeerPlan(
