@@ -3,7 +3,8 @@ concurrent reads of 16 blocks (TP 1 -> 1, small pages so that the data plane is 
 Each level twice: the engine learning of completions by long polls (the baseline), then from
 its doorbell's records (protocol 7).
 
-Client latency: read call -> completion delivered to the engine. Daemon latency, measured
+Client latency: read call -> completion delivered to the engine. The ceiling, per level: raw
+NIXL posting the same reads from a process of its own (control_raw.py). Daemon latency, measured
 inside the decode daemon: read RPC received -> READs posted, and -> completion queued. The
 prefill engine holds each request before it is read (untimed), as a prefill does.
 
@@ -25,6 +26,7 @@ from ..client import AsyncEngineClient, Completion, RemoteRef
 from ..doorbell import Records
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
+from . import control_raw
 from .harness import BenchEngine, daemons, environment, median, pct
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=64, block_size=16, num_blocks=8192)
@@ -186,13 +188,17 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
     one after the other on fresh daemons."""
     rows: list[dict[str, float | str]] = []
     runs = [(c, 1) for c in levels] + [(c, batch) for c in batched]
+    ceilings: dict[int, dict[str, float]] = {}  # raw NIXL's, per level (control_raw)
     for (concurrency, per_frame), completions in itertools.product(runs, COMPLETIONS):
+        n = requests if concurrency > 1 else max(200, requests // 4)
+        if concurrency not in ceilings:
+            ceilings[concurrency] = control_raw.run(concurrency, n)
+        raw = ceilings[concurrency]
         with daemons(2) as (pd, dd):
             geo = build(SHAPE, 1, 0)
             p = BenchEngine(pd.socket, "p", geo)
             d = BenchEngine(dd.socket, "d", geo, doorbell="records" if completions == "doorbell" else "")
             host, port = p.side_channel.rsplit(":", 1)
-            n = requests if concurrency > 1 else max(200, requests // 4)
             elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
                                               per_frame, (pd.socket, p.client.token), bell=d.client.doorbell))
             daemon = d.client.status().latency_us
@@ -202,7 +208,9 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
                          "rpc_to_post_p50_us": _us(daemon.rpc_to_post.p50),
                          "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),
                          "rpc_to_completion_p50_us": _us(daemon.rpc_to_completion.p50),
-                         "rpc_to_completion_p99_us": _us(daemon.rpc_to_completion.p99)})
+                         "rpc_to_completion_p99_us": _us(daemon.rpc_to_completion.p99),
+                         "raw_req_per_s": raw["req_per_s"], "raw_post_p50_us": raw["post_p50_us"],
+                         "raw_done_p50_us": raw["done_p50_us"]})
             d.close()
             p.close()
     return rows
@@ -263,6 +271,19 @@ def render(rows: list[dict[str, float | str]]) -> str:
     for poll, bell in zip(rows[::2], rows[1::2]):
         lines.append(f"conc {poll['concurrency']} batch {poll['batch']}: doorbell / poll req/s "
                      f"{float(bell['req_per_s']) / float(poll['req_per_s']):.3f}")
+    lines.append("")
+    lines.append("raw NIXL, the same reads posted by a process of its own (the ceiling; control_raw.py):")
+    lines.append(f"{'conc':>5} {'req/s':>8} {'post call p50 us':>17} {'post->done p50 us':>18} "
+                 f"{'kvxferd/raw req/s (poll, doorbell)':>35}")
+    seen: set[float | str] = set()
+    for poll, bell in zip(rows[::2], rows[1::2]):
+        if poll["concurrency"] in seen:
+            continue
+        seen.add(poll["concurrency"])
+        raw = float(poll["raw_req_per_s"])
+        lines.append(f"{poll['concurrency']:>5} {raw:>8.0f} {poll['raw_post_p50_us']:>17.0f} "
+                     f"{poll['raw_done_p50_us']:>18.0f} "
+                     f"{float(poll['req_per_s']) / raw:>23.3f}, {float(bell['req_per_s']) / raw:.3f}")
     return "\n".join(lines)
 
 
