@@ -11,7 +11,8 @@ The ROUTER sees a REQ socket's envelope and answers as it does any request. A da
 not know lease requests answers with a refusal that carries no seq: it answers in order, so
 that refusal belongs to the oldest request still waiting.
 
-Replies come off the wire: one that matches no waiting request is dropped.
+Replies come off the wire: one that matches no waiting request is dropped, one that cannot
+be read too, with a log line.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Link:
             raise
         self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # by seq, oldest first
         self.used = time.monotonic()
+        self.malformed = 0  # replies dropped because they could not be read
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     def ask(self, req: hs.LeaseRequest, timeout_s: float) -> asyncio.Future[hs.LeaseReply]:
@@ -92,19 +94,33 @@ class Link:
         while True:
             try:
                 parts = await self.sock.recv_multipart()
-                await asyncio.sleep(0)  # a ready reply is received without yielding: a flood must not hold the loop
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            if len(parts) != 2 or parts[0] != b"":
-                continue
-            try:
-                reply = hs.lease_reply_decoder.decode(parts[1])
-            except hs.DECODE_ERRORS:
-                continue
-            seq = reply.seq if reply.seq else next(iter(self.waiting), None)  # an older daemon's refusal
-            fut = self.waiting.get(seq) if seq is not None else None
-            if fut is not None and not fut.done():
-                fut.set_result(reply)
+            self._take(parts)
+            try:  # after the reply is taken (its asker wakes a turn sooner): a ready reply is
+                await asyncio.sleep(0)  # received without yielding, and a flood must not hold the loop
+            except asyncio.CancelledError:
+                return
+
+    def _take(self, parts: list[bytes]) -> None:
+        """A reply off the wire to the request waiting for it; what is not one is dropped."""
+        if len(parts) != 2 or parts[0] != b"":
+            return self._malformed("not a reply envelope")
+        try:
+            reply = hs.lease_reply_decoder.decode(parts[1])
+        except hs.DECODE_ERRORS as exc:
+            return self._malformed(str(exc)[:200])
+        seq = reply.seq if reply.seq else next(iter(self.waiting), None)  # an older daemon's refusal
+        fut = self.waiting.get(seq) if seq is not None else None
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    def _malformed(self, why: str) -> None:
+        """Logged the first time and every 1,000th: a peer that sends only garbage must not
+        flood the log. Its requests' claims time out ("no lease answer") and fail closed."""
+        self.malformed += 1
+        if self.malformed == 1 or self.malformed % 1000 == 0:
+            log.warning("lease reply from %s dropped (%d so far): %s", self.address, self.malformed, why)
 
     def close(self) -> None:
         self.reader.cancel()

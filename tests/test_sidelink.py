@@ -118,6 +118,38 @@ def test_a_request_is_on_the_wire_when_ask_returns():
     asyncio.run(main())
 
 
+def test_a_reply_that_cannot_be_read_is_logged_and_its_claim_times_out(caplog):
+    """A peer answering garbage: each dropped reply is counted, the first logged (then every
+    1,000th, so it cannot flood the log), and the request still ends, by its timeout."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        sync = zmq.Context()
+        router = sync.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        links = sidelink.Links(ctx, None)
+        try:
+            link = links.to("127.0.0.1", port)
+            replies = [link.ask(lease(seq), 1.0) for seq in (1, 2)]
+            for _ in replies:
+                assert router.poll(5000)
+                ident, empty, _body = router.recv_multipart()
+                router.send_multipart([ident, empty, b"\xc1 not msgpack"])
+            for reply in replies:
+                with pytest.raises(hs.HandshakeError, match="no lease answer"):
+                    await reply
+            assert link.malformed == 2
+        finally:
+            links.close()
+            router.close(0)
+            sync.term()
+            ctx.term()
+
+    with caplog.at_level("WARNING", logger="kvxferd"):
+        asyncio.run(main())
+    dropped = [r.getMessage() for r in caplog.records if "lease reply from" in r.getMessage()]
+    assert len(dropped) == 1 and "dropped (1 so far)" in dropped[0], dropped
+
+
 def test_a_peer_that_takes_nothing_more_is_refused_at_once():
     """Nothing listens at the address: ZMQ queues requests up to its high-water mark, then
     refuses the send. That refusal is raised by `ask` (before, it was left on an unawaited

@@ -273,17 +273,15 @@ def render(rows: list[dict[str, float | str]]) -> str:
                      f"{float(bell['req_per_s']) / float(poll['req_per_s']):.3f}")
     lines.append("")
     lines.append("raw NIXL, the same reads posted by a process of its own (the ceiling; control_raw.py):")
-    lines.append(f"{'conc':>5} {'req/s':>8} {'post call p50 us':>17} {'post->done p50 us':>18} "
-                 f"{'kvxferd/raw req/s (poll, doorbell)':>35}")
-    seen: set[float | str] = set()
+    lines.append(f"{'conc':>5} {'req/s':>8} {'post call p50 us':>17} {'post->done p50 us':>18}")
+    ceilings = {r["concurrency"]: r for r in rows}  # one per level, shared by its rows
+    for conc, r in ceilings.items():
+        lines.append(f"{conc:>5} {float(r['raw_req_per_s']):>8.0f} {float(r['raw_post_p50_us']):>17.0f} "
+                     f"{float(r['raw_done_p50_us']):>18.0f}")
     for poll, bell in zip(rows[::2], rows[1::2]):
-        if poll["concurrency"] in seen:
-            continue
-        seen.add(poll["concurrency"])
         raw = float(poll["raw_req_per_s"])
-        lines.append(f"{poll['concurrency']:>5} {raw:>8.0f} {poll['raw_post_p50_us']:>17.0f} "
-                     f"{poll['raw_done_p50_us']:>18.0f} "
-                     f"{float(poll['req_per_s']) / raw:>23.3f}, {float(bell['req_per_s']) / raw:.3f}")
+        lines.append(f"conc {poll['concurrency']} batch {poll['batch']}: kvxferd / raw NIXL req/s "
+                     f"{float(poll['req_per_s']) / raw:.3f} (poll), {float(bell['req_per_s']) / raw:.3f} (doorbell)")
     return "\n".join(lines)
 
 
