@@ -186,14 +186,15 @@ def memcpy(nbytes: int, repeats: int, device: str = "cpu", threads: int = 1) -> 
 
 def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
                     device: str = "cpu") -> tuple[list[float], list[float]]:
-    """Per request: (read call -> completion in the engine, read call -> its `ok` reply)."""
+    """Per request: (read call -> completion in the engine, read call -> its `ok` reply). The
+    decode engine learns of completions from its doorbell's records, as the vLLM worker does."""
     shape = shape_for(page, n)
     # Each round's engines are new engines, with ids of their own (as vLLM's are at each start):
     # a registration under an id a daemon served before is a restart, its routes retired.
     engines = next(_engine_pairs)
     prefill_id = f"p{page}-{engines}"
     p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device)
-    d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device)
+    d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device, doorbell="records")
     try:
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
