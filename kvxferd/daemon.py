@@ -183,7 +183,10 @@ class Daemon:
         """Drive NIXL: peers' notifications, our reads' states, quarantined handles.
 
         With reads in flight the loop follows `Reads.next_poll`; without, `Pace` (peers reading
-        our memory need our progress). A posted READ or a new hold wakes it at once.
+        our memory need our progress). A posted READ or a new hold wakes it at once. A spinning
+        turn offers the core to whatever else is runnable on it (`sched_yield`): under traffic
+        the spin never ends, and it took the core the engine and the other daemon needed
+        (docs/benchmarks.md, the control path against raw NIXL); on an idle core it returns at once.
         """
         cfg = self.cfg
         while True:
@@ -192,12 +195,14 @@ class Daemon:
             if self.reads.busy:
                 wait = self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s)
                 if wait <= 0:
+                    os.sched_yield()
                     await asyncio.sleep(0)
                     continue
                 await self._wake.sleep(wait)  # a lane's slice posted (or a new READ) wakes it sooner
                 continue
             wait = self.pace.idle_wait(time.monotonic(), bool(self.holds.held))
             if wait == SPIN:
+                os.sched_yield()
                 await asyncio.sleep(0)
                 continue
             await self._wake.sleep(wait)
