@@ -105,11 +105,13 @@ class Link:
     def _take(self, parts: list[bytes]) -> None:
         """A reply off the wire to the request waiting for it; what is not one is dropped."""
         if len(parts) != 2 or parts[0] != b"":
-            return self._malformed("not a reply envelope")
+            self._malformed("not a reply envelope")
+            return
         try:
             reply = hs.lease_reply_decoder.decode(parts[1])
         except hs.DECODE_ERRORS as exc:
-            return self._malformed(str(exc)[:200])
+            self._malformed(str(exc)[:200])
+            return
         seq = reply.seq if reply.seq else next(iter(self.waiting), None)  # an older daemon's refusal
         fut = self.waiting.get(seq) if seq is not None else None
         if fut is not None and not fut.done():

@@ -23,7 +23,6 @@ def test_bench_control_runs():
         assert row["requests"] == 40 and row["req_per_s"] > 0
         assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
         assert row["raw_req_per_s"] > 0 and row["raw_done_p50_us"] >= row["raw_post_p50_us"] > 0
-    assert rows[0]["raw_req_per_s"] == rows[1]["raw_req_per_s"]  # one ceiling per level, both ways compared to it
     text = control.render(rows)
     assert "doorbell / poll" in text and "raw NIXL" in text
 

@@ -67,14 +67,16 @@ def _side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, int]]
     q_out.put((agent.get_agent_metadata(), addr))
     meta, raddr = q_in.get(timeout=SETUP_S)
     if role != "reader":
-        while True:  # progress without pause, as a daemon under traffic does, until the reader is done
-            for _ in range(256):
+        parent = os.getppid()
+        while os.getppid() == parent:  # a parent killed before its `finally` must not leave a core spinning
+            for _ in range(256):  # progress without pause, as a daemon under traffic does
                 agent.get_new_notifs()
             try:
-                results.get_nowait()
+                results.get_nowait()  # the reader is done
                 return
             except queue.Empty:
                 pass
+        return
     offs = np.arange(REGIONS * BLOCKS_PER_REGION, dtype=np.int64) * PAGE
     n = len(offs)
 
@@ -157,8 +159,11 @@ def run(concurrency: int, requests: int) -> dict[str, float]:
                 return out
             except queue.Empty:
                 if reader.exitcode is not None or target.exitcode is not None:
-                    raise RawError(f"raw NIXL baseline: reader exited {reader.exitcode}, "
-                                   f"target {target.exitcode}") from None
+                    try:  # the reader may have put its result and exited since the get timed out
+                        return results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RawError(f"raw NIXL baseline: reader exited {reader.exitcode}, "
+                                       f"target {target.exitcode}") from None
                 if time.monotonic() > give_up:
                     raise RawError(f"raw NIXL baseline: no result within {RUN_S:g} s") from None
     finally:

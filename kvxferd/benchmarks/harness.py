@@ -116,16 +116,21 @@ class BenchEngine:
 
     def wait(self, request_id: str, timeout: float = 60.0) -> Completion:
         """`request_id`'s completion: from the doorbell's records when the engine took them (as
-        the vLLM worker does; a poll only when the pipe asks for one), else by long polls."""
+        the vLLM worker does; a poll only when the pipe asks for one), else by long polls (also
+        once the daemon closed the doorbell). TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
         while request_id not in self.pending:
-            if self.records:
-                items, more = self.client.pushed(wait_s=min(timeout, 1.0))
+            wait_s = min(max(deadline - time.monotonic(), 0.0), 1.0)
+            if self.records and self.client.doorbell is not None:
+                items, more = self.client.pushed(wait_s=wait_s)
                 if more:
                     items += self.client.poll()
             else:
-                items = self.client.poll(wait_s=min(timeout, 1.0))
+                items = self.client.poll(wait_s=wait_s)
             for c in items:
                 self.pending[c.request_id] = c
+            if request_id not in self.pending and time.monotonic() >= deadline:
+                raise TimeoutError(f"no completion for {request_id!r} within {timeout:g} s")
         return self.pending.pop(request_id)
 
     def close(self) -> None:
