@@ -36,6 +36,24 @@ async def linked(answer) -> AsyncIterator[sidelink.Link]:
         ctx.term()
 
 
+@contextlib.asynccontextmanager
+async def linked_to_router() -> AsyncIterator[tuple[sidelink.Link, zmq.Socket]]:
+    """A link to a plain ROUTER that the test drives itself (synchronously, so the loop stands
+    still while it does)."""
+    ctx = zmq.asyncio.Context()
+    sync = zmq.Context()
+    router = sync.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    links = sidelink.Links(ctx, None)
+    try:
+        yield links.to("127.0.0.1", port), router
+    finally:
+        links.close()
+        router.close(0)
+        sync.term()
+        ctx.term()
+
+
 def test_replies_are_matched_by_seq_whatever_their_order():
     async def main():
         async def slow_first(req):  # the first request is answered last
@@ -94,13 +112,7 @@ def test_a_request_is_on_the_wire_when_ask_returns():
     its post) has its claim answered meanwhile. The peer here is a plain ROUTER the test drives
     while the loop stands still."""
     async def main():
-        ctx = zmq.asyncio.Context()
-        sync = zmq.Context()
-        router = sync.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        links = sidelink.Links(ctx, None)
-        try:
-            link = links.to("127.0.0.1", port)
+        async with linked_to_router() as (link, router):
             reply = link.ask(lease(9), 5.0)
             assert router.poll(5000), "the request was not sent when ask returned"  # the loop never ran
             ident, empty, body = router.recv_multipart()
@@ -109,11 +121,6 @@ def test_a_request_is_on_the_wire_when_ask_returns():
             assert await asyncio.wait_for(reply, 5.0) == hs.LeaseReply(True, seq=9)
             await asyncio.sleep(0)
             assert not link.waiting  # answered: nothing left waiting
-        finally:
-            links.close()
-            router.close(0)
-            sync.term()
-            ctx.term()
 
     asyncio.run(main())
 
@@ -122,13 +129,7 @@ def test_a_reply_that_cannot_be_read_is_logged_and_its_claim_times_out(caplog):
     """A peer answering garbage: each dropped reply is counted, the first logged (then every
     1,000th, so it cannot flood the log), and the request still ends, by its timeout."""
     async def main():
-        ctx = zmq.asyncio.Context()
-        sync = zmq.Context()
-        router = sync.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        links = sidelink.Links(ctx, None)
-        try:
-            link = links.to("127.0.0.1", port)
+        async with linked_to_router() as (link, router):
             replies = [link.ask(lease(seq), 3.0) for seq in (1, 2)]
             for _ in replies:
                 assert router.poll(5000)
@@ -142,11 +143,6 @@ def test_a_reply_that_cannot_be_read_is_logged_and_its_claim_times_out(caplog):
             for reply in replies:
                 with pytest.raises(hs.HandshakeError, match="no lease answer"):
                     await reply
-        finally:
-            links.close()
-            router.close(0)
-            sync.term()
-            ctx.term()
 
     with caplog.at_level("WARNING", logger="kvxferd"):
         asyncio.run(main())
