@@ -5,7 +5,8 @@
 
 Targets (each must only return or raise the documented error; anything else is a finding):
 
-    request       engine requests off the Unix socket       -> msgspec decode errors
+    request       engine requests off the Unix socket, and   -> msgspec decode errors,
+                  their block lists (packed or not) as ids      RequestError
     side_channel  handshake/audit requests and replies,      -> msgspec decode errors, None
                   READ notifications from peers
     frames        the Unix socket's length-prefixed frames   -> FrameError
@@ -56,9 +57,20 @@ DECODE_ERRORS = P.DECODE_ERRORS
 
 def fuzz_request(data: bytes) -> None:
     try:
-        P.request_decoder.decode(data)
+        msg = P.request_decoder.decode(data)
     except DECODE_ERRORS:
-        pass
+        return
+    orders = msg.items if isinstance(msg, P.Batch) else [msg]
+    for order in orders:  # block lists, packed or not, become ids in 0..MAX_BLOCK_ID or a refusal
+        for blocks in ([order.block_ids] if isinstance(order, P.Hold) else
+                       [order.local_blocks, order.remote_blocks] if isinstance(order, P.Read) else []):
+            try:
+                P.check_blocks(blocks)
+                arrays = P.block_arrays(blocks)
+            except P.RequestError:
+                continue
+            for ids in arrays:
+                assert ids.dtype == np.int64 and (not len(ids) or 0 <= ids.min() <= ids.max() <= P.MAX_BLOCK_ID)
 
 
 def fuzz_side_channel(data: bytes) -> None:
@@ -219,6 +231,7 @@ def seeds(target: str) -> list[bytes]:
         return [enc(m) for m in (
             P.Hello(3), P.Register("e", 0, 1, geo, [P.MemoryHandle("shm", geo.buffers[0])]), P.Unregister("e", 0),
             P.Hold("e", 0, "r", 5.0, [[1, 2]], True), P.Read("e", 0, "r", ref, 40, [[1, 2]], [[3, 4]], 5.0, True),
+            P.Read("e", 0, "r", ref, 40, [P.pack_blocks([1, 2])], [P.pack_blocks([3, 4]), [5]], 5.0),
             P.Batch([P.Hold("e", 0, "r", 5.0, [[1]])]), P.Poll("e", 0, 1.0, 16), P.StatusQuery(),
             P.Attach("e", 0, "ab" * 16))]
     if target == "side_channel":

@@ -132,7 +132,11 @@ def bench_plan(
     from .benchmarks import plan as bp
 
     rows = bp.run(blocks_per_request=blocks)
-    typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))
+    framing = bp.framing()
+    if as_json:
+        typer.echo(json.dumps({"plan": rows, "framing": framing}, indent=2))
+    else:
+        typer.echo(bp.render(rows) + "\n\n" + bp.render_framing(framing))
 
 
 @bench_app.command("data")

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 
 from . import protocol as P
 from .doorbell import DoorbellError, PipeReader, Records
@@ -172,8 +173,10 @@ class AsyncClient:
 class Requests:
     """The messages one engine rank sends (the same for the sync and the asyncio client)."""
 
-    def __init__(self, engine_id: str, rank: int, tp_size: int) -> None:
+    def __init__(self, engine_id: str, rank: int, tp_size: int, version: int = P.PROTOCOL_VERSION) -> None:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+        # Protocol 8 block lists travel packed: the daemon decodes 4 bytes an id, not a Python int
+        self._blocks = _packed if version >= 8 else _listed
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
                  fds: Sequence[int] = (), doorbell: int | None = None) -> tuple[P.Register, list[int]]:
@@ -199,12 +202,12 @@ class Requests:
         return P.Attach(self.engine_id, self.rank, token)
 
     def hold(self, request_id: str, lease_s: float, block_ids: BlockLists, digest: bool | None = None) -> P.Hold:
-        return P.Hold(self.engine_id, self.rank, request_id, lease_s, _blocks(block_ids), digest)
+        return P.Hold(self.engine_id, self.rank, request_id, lease_s, self._blocks(block_ids), digest)
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
              remote_blocks: BlockLists, deadline_s: float, audit: bool | None = None) -> P.Read:
-        return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, _blocks(local_blocks),
-                      _blocks(remote_blocks), deadline_s, audit)
+        return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, self._blocks(local_blocks),
+                      self._blocks(remote_blocks), deadline_s, audit)
 
     def expect(self, request_id: str, remote: P.RemoteRef) -> P.Expect:
         return P.Expect(self.engine_id, self.rank, request_id, remote)
@@ -239,8 +242,21 @@ def _each_applied(orders: Sequence[Order], send: Callable[[list[Order]], P.Resul
     return out
 
 
-def _blocks(lists: BlockLists) -> list[list[int]]:
+def _listed(lists: BlockLists) -> P.Blocks:
     return [[int(b) for b in blocks] for blocks in lists]
+
+
+# Lists this long and longer travel packed; shorter ones cost both ends less as msgpack ints than
+# numpy's calls do (`kvxferd bench plan`'s framing table, docs/benchmarks.md).
+PACK_MIN_IDS = 256
+
+
+def _packed(lists: BlockLists) -> P.Blocks:
+    out: P.Blocks = []
+    for blocks in lists:
+        ids = blocks if isinstance(blocks, np.ndarray) else list(blocks)
+        out.append(P.pack_blocks(ids) if len(ids) >= PACK_MIN_IDS else [int(b) for b in ids])
+    return out
 
 
 class EngineClient:
@@ -248,7 +264,7 @@ class EngineClient:
 
     def __init__(self, socket_path: str, engine_id: str, rank: int, tp_size: int, timeout: float = 30.0) -> None:
         self.rpc = Client(socket_path, timeout, client=f"{engine_id}/{rank}")
-        self.requests = Requests(engine_id, rank, tp_size)
+        self.requests = Requests(engine_id, rank, tp_size, self.rpc.version)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.side_channel = ""
         self.doorbell: int | None = None  # doorbell pipe's read end (see doorbell.py)
@@ -416,7 +432,7 @@ class AsyncEngineClient:
 
     def __init__(self, rpc: AsyncClient, engine_id: str, rank: int, tp_size: int) -> None:
         self.rpc = rpc
-        self.requests = Requests(engine_id, rank, tp_size)
+        self.requests = Requests(engine_id, rank, tp_size, rpc.version)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.token = ""  # from `register`: what another connection passes to `attach`
 

@@ -61,7 +61,7 @@ class Held:
     request_id: str
     deadline: float  # when it ends: its lease or its last pin, whichever is later (`Holds._settle`)
     since: float
-    block_ids: list[list[int]]
+    block_ids: P.Blocks  # as the hold named them (lists, or protocol 8's packed ids)
     count: int = 0  # consumers that notified
     expected: int = 0  # consumers the first notification announced; 0 until then
     digests: asyncio.Future[HeldDigests] | None = None  # the blocks' bytes when held (integrity audit)
@@ -89,8 +89,8 @@ class HeldDigests:
     digests: np.ndarray
 
     @classmethod
-    def of(cls, er: EngineRank, block_ids: list[list[int]]) -> HeldDigests:
-        rows, group, block = integrity.block_rows(er.geometry, er.region_addr, block_ids)
+    def of(cls, er: EngineRank, block_ids: P.Blocks) -> HeldDigests:
+        rows, group, block = integrity.block_rows(er.geometry, er.region_addr, P.block_arrays(block_ids))
         return cls(rows, group, block, integrity.digest_rows(er.mappings, rows))
 
     def reused(self, er: EngineRank, groups: int) -> list[list[int]]:
@@ -125,19 +125,23 @@ MAX_UNALIGNED_AUDIT_ROWS = 1 << 16
 MAX_NOTIFIERS = 65536
 
 
-def _check_block_ids(er: EngineRank, block_ids: list[list[int]]) -> None:
+def _check_block_ids(er: EngineRank, block_ids: P.Blocks) -> None:
     """A hold names, per cache group, distinct blocks that the registered geometry has."""
     groups = er.geometry.groups
     if len(block_ids) != len(groups):
         raise RequestError("bad_request", f"block lists for {len(block_ids)} groups; the geometry has {len(groups)}")
-    for group, ids in zip(groups, block_ids):
+    for group, listed in zip(groups, block_ids):
+        ids = P.block_array(listed)  # never negative (decoding or block_array checked)
+        if not len(ids):
+            continue
         limit = group.num_blocks  # a property that scans the group's views: once per group
-        bad = [b for b in ids if not 0 <= b < limit]
-        if bad:
-            raise RequestError("bad_request", f"group {group.name}: block ids {bad[:8]} out of range "
-                                              f"0..{limit - 1}")
-        if len(set(ids)) != len(ids):
-            raise RequestError("bad_request", f"group {group.name}: a block id appears twice in {ids[:16]}")
+        if ids.max() >= limit:
+            raise RequestError("bad_request", f"group {group.name}: block ids {ids[ids >= limit][:8].tolist()} out "
+                                              f"of range 0..{limit - 1}")
+        ordered = np.sort(ids)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise RequestError("bad_request", f"group {group.name}: a block id appears twice in "
+                                              f"{ids[:16].tolist()}")
 
 
 MAX_PENDING_AUDITS = 64  # audits accepted and not answered; more are asked to retry
@@ -328,7 +332,8 @@ class Holds:
 
     def _end_sent(self, held: Held, now: float) -> None:
         self._forget(held, "sent")
-        held.engine.complete(P.Completion(held.request_id, "sent", held.block_ids, seconds=now - held.since))
+        held.engine.complete(P.Completion(held.request_id, "sent", P.block_lists(held.block_ids),
+                                          seconds=now - held.since))
 
     def paused(self, seconds: float) -> None:
         """This daemon did not run for `seconds` (its loop held, the process or its host
@@ -359,7 +364,7 @@ class Holds:
             log.warning("hold expired: engine=%s rank=%d request=%s consumers=%d/%d", held.engine.engine_id,
                         held.engine.tp_rank, held.request_id, held.count, held.expected)
             held.engine.complete(P.Completion(
-                held.request_id, "expired", held.block_ids,
+                held.request_id, "expired", P.block_lists(held.block_ids),
                 reason=f"lease passed with {held.count} of {held.expected or '?'} consumers",
                 seconds=now - held.since))
         while self._early:
@@ -439,7 +444,7 @@ class Holds:
         self._settle(held, now)
         return hs.ClaimAnswer("held", max(until - now, 0.0), held.engine.epoch)
 
-    async def _digest_hold(self, er: EngineRank, block_ids: list[list[int]]) -> HeldDigests:
+    async def _digest_hold(self, er: EngineRank, block_ids: P.Blocks) -> HeldDigests:
         """The held blocks' digests, computed on the digest thread (the hold is answered at once)."""
         digests, seconds = await self._digester.run(er, functools.partial(HeldDigests.of, er, block_ids))
         self._recorder.digested("hold", int(digests.rows[:, 1].sum()), seconds)

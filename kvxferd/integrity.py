@@ -211,7 +211,7 @@ def _digest_uniform_torch(m: Mapping, first_word: np.ndarray, words: int, device
     return out
 
 
-def block_rows(geo: Geometry, region_addr: np.ndarray, block_ids: Sequence[Sequence[int]]
+def block_rows(geo: Geometry, region_addr: np.ndarray, block_ids: Sequence[Sequence[int] | np.ndarray]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every byte row of the listed blocks: (rows (N, 2) [address, length], cache group, block id).
 

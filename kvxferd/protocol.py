@@ -1,13 +1,15 @@
-"""Engine <-> daemon protocol (version 7): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (version 8): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from .plan.geometry import Geometry
@@ -16,9 +18,10 @@ from .plan.geometry import Geometry
 # know them would drop them and misread the memory: it refuses version 4), 5 the daemon's own
 # doorbell pipe (`register.doorbell_pipe`), 6 `expect` (a read announced before its blocks are
 # allocated: the prefill's holds are kept alive meanwhile), 7 completions written into the doorbell
-# pipe (`register.doorbell_records`, see doorbell.py); older clients are served
-PROTOCOL_VERSION = 7
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`); older
+# clients are served
+PROTOCOL_VERSION = 8
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -31,7 +34,11 @@ Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
 Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
-Blocks = list[list[Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]]]
+MAX_BLOCK_ID = (1 << 31) - 1
+# One cache group's block ids: a msgpack array of ints, or (protocol 8) packed, little-endian
+# int32 in a bin: 4 bytes an id, decoded without a Python int each (`block_array`).
+BlockList = list[Annotated[int, Meta(ge=0, le=MAX_BLOCK_ID)]] | bytes
+Blocks = list[BlockList]
 
 ErrorCode = Literal["bad_request", "unknown_engine", "unsupported", "internal", "version", "forbidden"]
 
@@ -42,6 +49,57 @@ class RequestError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code: ErrorCode = code
+
+
+def block_array(ids: BlockList) -> np.ndarray:
+    """One cache group's block ids as int64. A list was range-checked while decoding; packed ids
+    are checked here (RequestError: not whole 4-byte ids, or negative)."""
+    if isinstance(ids, bytes):
+        return _unpacked(ids).astype(np.int64)
+    return np.array(ids, dtype=np.int64)
+
+
+def block_arrays(blocks: Blocks) -> tuple[np.ndarray, ...]:
+    return tuple(block_array(ids) for ids in blocks)
+
+
+def check_blocks(blocks: Blocks) -> None:
+    """What `block_arrays` would refuse (RequestError), without converting."""
+    for ids in blocks:
+        if isinstance(ids, bytes):
+            _unpacked(ids)
+
+
+def _unpacked(ids: bytes) -> np.ndarray:
+    if len(ids) % 4:
+        raise RequestError("bad_request", f"packed block ids of {len(ids)} bytes: not a whole number of "
+                                          "4-byte ids")
+    packed = np.frombuffer(ids, dtype="<i4")
+    if len(packed) and packed.min() < 0:  # int32: negative is the only way out of 0..MAX_BLOCK_ID
+        raise RequestError("bad_request", f"packed block ids {packed[packed < 0][:8].tolist()} out of range "
+                                          f"0..{MAX_BLOCK_ID}")
+    return packed
+
+
+def block_lists(blocks: Blocks) -> list[list[int]]:
+    """The lists a completion reports, whichever way the request carried them."""
+    return [ids if isinstance(ids, list) else block_array(ids).tolist() for ids in blocks]
+
+
+def pack_blocks(ids: Iterable[int] | np.ndarray) -> bytes:
+    """One cache group's block ids, packed (protocol 8). ValueError: not integers in
+    0..MAX_BLOCK_ID (packing must not wrap an id into another block)."""
+    if not isinstance(ids, np.ndarray):
+        ids = list(ids)  # any iterable, as the unpacked form took
+    try:
+        arr = np.asarray(ids) if len(ids) else np.zeros(0, dtype=np.int64)
+    except OverflowError:
+        raise ValueError(f"block ids out of range 0..{MAX_BLOCK_ID}") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be a flat list of integers, got {arr.dtype} of shape {arr.shape}")
+    if len(arr) and (arr.min() < 0 or arr.max() > MAX_BLOCK_ID):
+        raise ValueError(f"block ids out of range 0..{MAX_BLOCK_ID}: {arr.min()} .. {arr.max()}")
+    return arr.astype("<i4").tobytes()
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):

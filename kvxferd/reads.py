@@ -103,6 +103,7 @@ class Transfer:
 
     engine: EngineRank
     msg: P.Read
+    blocks: RequestBlocks  # msg's block lists as arrays
     received_at: float  # perf_counter when the engine's request arrived
     started: float  # monotonic
     deadline: float
@@ -138,8 +139,7 @@ class Transfer:
         """What this request reads on `route`, per remote rank (its `read_ranks`)."""
         self.route = route
         reading = Reading({}, {})
-        for rank, lids, rids, nbytes in request_reads(route.plan, RequestBlocks.of(
-                self.msg.num_tokens, self.msg.local_blocks, self.msg.remote_blocks)):
+        for rank, lids, rids, nbytes in request_reads(route.plan, self.blocks):
             reading.indices[rank] = lids, rids
             reading.nbytes[rank] = nbytes
         self.read_ranks = list(reading.indices)
@@ -310,6 +310,8 @@ class Reads:
         if len(msg.local_blocks) != groups or len(msg.remote_blocks) != groups:
             raise RequestError("bad_request", f"block lists for {len(msg.local_blocks)}/{len(msg.remote_blocks)} "
                                               f"groups; the geometry has {groups}")
+        P.check_blocks(msg.local_blocks)
+        P.check_blocks(msg.remote_blocks)
         reads = self._per_rank.get((er.engine_id, er.tp_rank), 0) + also_new
         if reads >= self._max_per_rank:  # quarantined ones count: NIXL still writes their memory
             raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} has {reads} reads "
@@ -319,11 +321,12 @@ class Reads:
         """Accept a read; it ends as a completion. Posts at once when the route is known."""
         try:
             self.check(er, msg)
+            blocks = RequestBlocks(msg.num_tokens, P.block_arrays(msg.local_blocks), P.block_arrays(msg.remote_blocks))
         except RequestError:
             self.refused(er, msg)
             raise
         now = time.monotonic()
-        t = Transfer(er, msg, received_at, now, now + msg.deadline_s,
+        t = Transfer(er, msg, blocks, received_at, now, now + msg.deadline_s,
                      audit=self._integrity_audit if msg.audit is None else msg.audit)
         self._in_flight[t.key] = t
         key = er.engine_id, er.tp_rank  # no property: this is the hot path
@@ -453,8 +456,8 @@ class Reads:
         why = f"{kind}: {reason}"
         self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
             time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
-        t.engine.complete(P.Completion(t.msg.request_id, "failed", t.msg.local_blocks if block_ids is None
-                                       else block_ids, why, 0, seconds))
+        t.engine.complete(P.Completion(t.msg.request_id, "failed", [b.tolist() for b in t.blocks.local]
+                                       if block_ids is None else block_ids, why, 0, seconds))
         self._end(t)
 
     def _end(self, t: Transfer) -> None:
@@ -570,7 +573,7 @@ class Reads:
         """Per cache group, the local blocks with a row that differs; and how many rows differ."""
         assert t.route is not None
         er, ref, plan = t.engine, t.msg.remote, t.route.plan
-        chunks = request_chunks(plan, RequestBlocks.of(t.msg.num_tokens, t.msg.local_blocks, t.msg.remote_blocks))
+        chunks = request_chunks(plan, t.blocks)
         corrupt: list[set[int]] = [set() for _ in er.geometry.groups]
         wrong_rows = 0
         for rank, pp in plan.peers.items():

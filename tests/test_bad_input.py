@@ -58,6 +58,19 @@ def test_request_decoder_wrong_types(op, fields):
         pass
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=40), st.lists(st.integers(0, P.MAX_BLOCK_ID), max_size=8)), max_size=4))
+def test_block_lists_of_any_bytes_become_ids_in_range_or_a_refusal(blocks):
+    try:
+        P.check_blocks(blocks)
+    except P.RequestError as exc:
+        assert exc.code == "bad_request" and "packed block ids" in str(exc)
+        return
+    for ids, listed in zip(P.block_arrays(blocks), blocks, strict=True):
+        assert ids.dtype == np.int64 and (not len(ids) or 0 <= ids.min() <= ids.max() <= P.MAX_BLOCK_ID)
+        assert len(ids) == (len(listed) // 4 if isinstance(listed, bytes) else len(listed))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_notification_decoder_random_bytes(data):
@@ -258,6 +271,48 @@ def test_holds_name_distinct_blocks_the_engine_has_and_a_batch_is_all_or_nothing
     while {h.request for h in cluster.status(1).held} & {"b1", "b3"} and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not {h.request for h in cluster.status(1).held} & {"b1", "b2", "b3", "bad"}
+
+
+def test_packed_block_lists_are_checked_as_lists_are(cluster):
+    """Protocol 8's packed ids come from the engine's process too: a length that is not whole
+    ids, a negative id, an id the geometry lacks or a repeated one is refused by name (a batch
+    with such an item applies none), and nothing is held or read."""
+    def packed(*ids: int) -> bytes:
+        return np.array(ids, dtype="<i4").tobytes()
+
+    for ids, why in [([b"\x01\x00\x00"], "3 bytes: not a whole number of 4-byte ids"),
+                     ([packed(1, -5)], "packed block ids [-5] out of range 0..2147483647"),
+                     ([packed(2, 64)], "block ids [64] out of range 0..63"),
+                     ([packed(3, 5, 3)], "appears twice")]:
+        e = call_error(cluster, P.Hold("decode", 0, "bad", 5.0, ids), as_rank=0)
+        assert e.code == "bad_request" and why in str(e), e
+    remote = P.RemoteRef("prefill", cluster.host, cluster.port, 1, "r")
+    e = call_error(cluster, P.Read("decode", 0, "r1", remote, 10, [packed(0)], [b"\x00" * 5]), as_rank=0)
+    assert e.code == "bad_request" and "5 bytes" in str(e), e
+    with Client(cluster.daemons[1].socket) as client:
+        client.call(P.Attach("decode", 0, cluster.decode.tokens()[0]), P.Ok)
+        results = client.call(P.Batch([P.Hold("decode", 0, "p1", 0.5, [packed(1)]),
+                                        P.Read("decode", 0, "p2", remote, 10, [packed(0)], [packed(-1)])]), P.Results)
+    assert results.items[0].message.startswith(P.NOT_APPLIED), results
+    assert "out of range" in results.items[1].message, results
+    st = cluster.status(1)
+    assert not {h.request for h in st.held} & {"bad", "p1"} and not st.in_flight
+
+
+def test_the_client_never_packs_an_id_that_would_wrap():
+    """Packing is int32: an id past MAX_BLOCK_ID would land on another block, so the client
+    refuses it; below PACK_MIN_IDS ids, and for protocol 7 daemons, lists stay msgpack ints."""
+    from kvxferd.client import PACK_MIN_IDS, Requests
+
+    remote = P.RemoteRef("prefill", "h", 1, 1, "r")
+    long = list(range(PACK_MIN_IDS))
+    read = Requests("d", 0, 1, 8).read("r", remote, 10, [long, long[:3]], [np.array(long)], 1.0)
+    assert read.local_blocks == [np.array(long, dtype="<i4").tobytes(), [0, 1, 2]]
+    assert P.block_arrays(read.remote_blocks)[0].tolist() == long
+    assert Requests("d", 0, 1, 7).read("r", remote, 10, [long], [long], 1.0).local_blocks == [long]
+    for bad in ([*long, 1 << 31], [*long, 1 << 32], [*long, -1], [*long, 1 << 70]):
+        with pytest.raises(ValueError, match="block ids"):
+            Requests("d", 0, 1, 8).hold("r", 1.0, [bad])
 
 
 def test_block_ids_out_of_range_fail_the_request(cluster):

@@ -106,3 +106,18 @@ def test_vllm_gpu_layouts_through_real_daemons(kind, p_layout, d_layout, p_tp, d
     result = run_demo(d, p_tp, d_tp, requests=4, max_tokens=90, hit_ratio=0.5, seed=p_tp * 7 + d_tp, p_shape=p)
     assert result.received == 4 and result.failed == 0
     assert result.bytes > 0
+
+
+
+def test_long_prompts_travel_packed_block_lists():
+    """Lists of PACK_MIN_IDS blocks and more go packed (protocol 8), shorter ones as msgpack ints:
+    prompts of each, one with a prefix hit, through groups of different heads and block sizes,
+    arrive byte-exact."""
+    from kvxferd.client import PACK_MIN_IDS
+
+    shape = replace(PRESETS["gemma4"], num_blocks=1024, block_size=2)
+    with Cluster(shape, 2, 1) as c:
+        for seq, (tokens, hit) in enumerate([(700, 0), (690, 200), (40, 0)]):
+            out = c.transfer(seq, tokens, hit)
+            assert out["status"] == "received" and out["released"] == ["sent", "sent"], out
+        assert 690 // shape.block_size > PACK_MIN_IDS > 40  # the holds and reads above: both forms
