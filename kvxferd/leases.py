@@ -35,7 +35,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,8 @@ class Leases:
         self._queued: dict[tuple[str, int], set[ClaimKey]] = {}  # by peer address, sent at the turn's end
         self._unclaim: dict[tuple[str, int], set[ClaimKey]] = {}  # released unread: unpinned at the turn's end
         self._flushing = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # unpins under way
+        self._unapplied: dict[asyncio.Future[hs.LeaseReply], _Asked] = {}  # claim requests out, by reply
         self._seq = itertools.count(1)
         self._expects: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
         self._expect_claims = 0  # claim keys the expectations hold, together
@@ -257,13 +258,25 @@ class Leases:
         self._flushing = False
         queued, self._queued = self._queued, {}
         unclaim, self._unclaim = self._unclaim, {}
-        for batches, send in ((queued, self._ask), (unclaim, self._unpin)):
-            for (host, port), keys in batches.items():
-                ordered = list(keys)
-                for i in range(0, len(ordered), hs.MAX_CLAIMS):
-                    task = asyncio.get_running_loop().create_task(send(host, port, ordered[i:i + hs.MAX_CLAIMS]))
-                    self._tasks.add(task)  # the loop keeps only a weak reference
-                    task.add_done_callback(self._tasks.discard)
+        for (host, port), keys in queued.items():
+            for chunk in _chunks(keys):
+                self._ask(host, port, chunk)
+        for (host, port), keys in unclaim.items():
+            for chunk in _chunks(keys):
+                task = asyncio.get_running_loop().create_task(self._unpin(host, port, chunk))
+                self._tasks.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._tasks.discard)
+
+    def take_answers(self, keys: list[ClaimKey]) -> None:
+        """Apply now the answers to these claims that are already in our sockets, instead of a
+        few loop turns from now: for a caller that just held the loop through a large READ's copy
+        (its claims were answered meanwhile) and can then report the read at once."""
+        for host, port in {(k[0], k[1]) for k in keys}:
+            link = self._links.get(host, port)
+            if link is not None:
+                link.take_ready()
+        for reply in [r for r in self._unapplied if r.done()]:
+            self._on_reply(reply)
 
     def _request(self, keys: list[ClaimKey], extend_s: float, release: bool = False) -> hs.LeaseRequest:
         return hs.LeaseRequest(hs.LEASE_VERSION, next(self._seq), self._requester, extend_s,
@@ -292,27 +305,42 @@ class Leases:
         except hs.HandshakeError as exc:  # our pins there lapse with their grant
             log.info("unpinning %d holds at %s:%d: %s", len(keys), host, port, exc)
 
-    def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> Coroutine[Any, Any, None]:
+    def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> None:
+        """Claim these holds of one peer daemon: the request is on the wire when this returns;
+        its answer is applied when it comes (or by `take_answers`, whichever is first)."""
         sent = time.monotonic()  # before the request leaves: a "held" answer vouches from here on
         asked = [self._claims.get(k) for k in keys]  # an answer is for these, not for claims made since
         reply = self._send(host, port, self._request(keys, self._extend_s))
-        return self._answered(host, port, keys, asked, sent, reply)
+        self._unapplied[reply] = _Asked(host, port, keys, asked, sent)
+        reply.add_done_callback(self._on_reply)
 
-    async def _answered(self, host: str, port: int, keys: list[ClaimKey], asked: list[Claim | None], sent: float,
-                        pending: asyncio.Future[hs.LeaseReply]) -> None:
+    def _on_reply(self, reply: asyncio.Future[hs.LeaseReply]) -> None:
+        """A claim request's reply (or its failure), applied once."""
+        a = self._unapplied.pop(reply, None)
+        if a is None or reply.cancelled():
+            return
         answers: list[hs.ClaimAnswer] = []
         agent = ""
-        try:
-            reply = await pending
-            agent = reply.agent
-            if not reply.ok:
-                self._warn(host, port, f"peer %s:%d refused lease claims: {reply.reason[:200].replace('%', '%%')}")
-            elif len(reply.answers) != len(keys):
-                self._warn(host, port, f"peer %s:%d answered {len(reply.answers)} of {len(keys)} claims")
+        host, port, keys = a.host, a.port, a.keys
+        exc = reply.exception()
+        if exc is None:
+            r = reply.result()
+            agent = r.agent
+            if not r.ok:
+                self._warn(host, port, f"peer %s:%d refused lease claims: {r.reason[:200].replace('%', '%%')}")
+            elif len(r.answers) != len(keys):
+                self._warn(host, port, f"peer %s:%d answered {len(r.answers)} of {len(keys)} claims")
             else:
-                answers = reply.answers
-        except hs.HandshakeError as exc:
+                answers = r.answers
+        elif isinstance(exc, hs.HandshakeError):
             self._warn(host, port, f"lease claims to %s:%d: {str(exc).replace('%', '%%')}")
+        else:
+            log.error("lease claims to %s:%d failed unexpectedly", host, port, exc_info=exc)
+        self._apply(a, agent, answers)
+
+    def _apply(self, a: _Asked, agent: str, answers: list[hs.ClaimAnswer]) -> None:
+        """What one request's answers (none: not answered) say of each claim it named."""
+        keys, asked, sent = a.keys, a.asked, a.sent
         self._recorder.claims_asked(len(keys), bool(answers))
         for i, key in enumerate(keys):
             c = self._claims.get(key)
@@ -321,15 +349,15 @@ class Leases:
             fut, c.asking = c.asking, None
             c.unanswered = not answers
             if answers:
-                a = answers[i]
-                c.state, c.agent, c.epoch = a.state, agent, a.epoch or c.epoch
-                if a.state == "held":
+                ans = answers[i]
+                c.state, c.agent, c.epoch = ans.state, agent, ans.epoch or c.epoch
+                if ans.state == "held":
                     c.held_since = sent
-                    c.until = sent + a.granted_s * (1 - SKEW) - SKEW
+                    c.until = sent + ans.granted_s * (1 - SKEW) - SKEW
                     c.retry_s = 0.0
-                    if self._renew and a.granted_s > 0:  # asked again when a third of the grant is left
-                        heapq.heappush(self._renewals, (sent + a.granted_s * 2 / 3, key))
-                elif a.state == "pending" and self._renew:
+                    if self._renew and ans.granted_s > 0:  # asked again when a third of the grant is left
+                        heapq.heappush(self._renewals, (sent + ans.granted_s * 2 / 3, key))
+                elif ans.state == "pending" and self._renew:
                     # The decode may know of the request before the prefill engine's hold reaches
                     # its daemon: asked again until it is held, so the pin starts with the lease.
                     self._retry(key, c, sent, PENDING_RETRY_S, PENDING_RETRY_MAX_S)
@@ -375,6 +403,23 @@ class Leases:
             del self._expects[expect]
             self._expect_claims -= len(keys)
             self.release(keys)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A claim request out: to whom, for which claims (as they were when asked), and when."""
+
+    host: str
+    port: int
+    keys: list[ClaimKey]
+    asked: list[Claim | None]
+    sent: float  # monotonic, before it left
+
+
+def _chunks(keys: set[ClaimKey]) -> Iterator[list[ClaimKey]]:
+    ordered = list(keys)
+    for i in range(0, len(ordered), hs.MAX_CLAIMS):
+        yield ordered[i:i + hs.MAX_CLAIMS]
 
 
 def _same(c: Claim, agent: str) -> bool:

@@ -398,11 +398,12 @@ class Reads:
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
         reading = t.reads_on(route)
+        early = reading.total >= EARLY_CLAIM_BYTES and not self._lanes.slices(reading.total)
         if t.read_ranks and self._leases is not None:  # claimed before the READs: see EARLY_CLAIM_BYTES
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
-            if reading.total >= EARLY_CLAIM_BYTES and not self._lanes.slices(reading.total):
+            if early:
                 self._leases.flush()
         try:
             notifications = t.post(reading, self._nixl, self._lanes, self._on_posted)
@@ -414,10 +415,21 @@ class Reads:
             raise
         self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
                                    len(t.postings) if t.split else 0)
+        if not t.running:
+            self._finish(t)
+            return
+        if early:  # the loop was held through the copy if it ran inside the post (CMA): see it ended now
+            self._settle_at_once(t)
         if t.running:
             self._on_posted()
-        else:
-            self._finish(t)
+
+    def _settle_at_once(self, t: Transfer) -> None:
+        """A large READ just posted: if it is DONE already, report it now rather than after the
+        loop turns that would take the claims' answers off the socket, find the READ done and
+        deliver it (~1 ms after a 64 MiB copy held the loop, measured: docs/benchmarks.md)."""
+        if self._leases is not None:
+            self._leases.take_answers(t.read_claims)
+        self._check(t, time.monotonic())
 
     def _fail_on(self, t: Transfer, exc: Exception) -> None:
         """The failure kind an exception on the read path stands for."""

@@ -57,6 +57,7 @@ class Link:
         self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # by seq, oldest first
         self.used = time.monotonic()
         self.malformed = 0  # replies dropped because they could not be read
+        self._now: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)  # the same socket, read without the loop
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     def ask(self, req: hs.LeaseRequest, timeout_s: float) -> asyncio.Future[hs.LeaseReply]:
@@ -101,6 +102,20 @@ class Link:
                 await asyncio.sleep(0)  # received without yielding, and a flood must not hold the loop
             except asyncio.CancelledError:
                 return
+
+    def take_ready(self) -> None:
+        """Take the replies already in the socket now, without waiting for the loop to see it
+        readable (`Leases.take_answers`). The reader task takes whatever comes after: each
+        message is received once, by one or the other. At most MAX_WAITING + 1: a peer that
+        floods replies is read by the reader task, which yields between them."""
+        if self.sock.closed:
+            return
+        for _ in range(MAX_WAITING + 1):
+            try:
+                parts = self._now.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # nothing there (EAGAIN), or closed
+                return
+            self._take(parts)
 
     def _take(self, parts: list[bytes]) -> None:
         """A reply off the wire to the request waiting for it; what is not one is dropped."""
@@ -155,6 +170,10 @@ class Links:
                 self._links.pop(idle).close()
         self._links[(host, port)] = link  # to the end: the most recently used
         return link
+
+    def get(self, host: str, port: int) -> Link | None:
+        """The link to a peer daemon if one is open (none is opened)."""
+        return self._links.get((host, port))
 
     def close_idle(self, now: float) -> None:
         for key in [k for k, link in self._links.items() if not link.waiting and now - link.used > IDLE_CLOSE_S]:
