@@ -74,9 +74,11 @@ AUDIT_RETRY_S = 0.02  # between audits of a request the prefill does not hold ye
 _encode = msgspec.msgpack.Encoder().encode
 
 
-# A READ this large, posted whole, holds the loop while it copies (CMA copies inside the post):
-# its claims are sent before it, so their answers are back when it ends (a claim's round trip
-# through two daemons is ~0.5-2 ms, ~10% of a 64 MiB read here). Smaller reads' claims leave at
+# A READ this large, posted whole, holds the loop while it copies (CMA copies inside the post).
+# So it is posted once the engine has its answer (the engine, a scheduler step, must not wait
+# for the copy); its claims are sent before it, so their answers are back when it ends (a claim's
+# round trip through two daemons is ~0.5-2 ms, ~10% of a 64 MiB read here); and it is reported
+# as soon as the post returns DONE. Smaller reads are posted at once, and their claims leave at
 # the end of the loop turn, one request per peer for all of them.
 EARLY_CLAIM_BYTES = 1 << 20
 
@@ -120,6 +122,7 @@ class Transfer:
     read_ranks: list[int] = field(default_factory=list)  # prefill ranks READ from
     read_claims: list[ClaimKey] = field(default_factory=list)  # their holds: what must vouch for the bytes
     claims: list[ClaimKey] = field(default_factory=list)  # on the prefill holds it reads (leases.py)
+    reading: Reading | None = None  # what it reads on `route` (`reads_on`)
     done_at: float = 0.0  # monotonic: when every READ was seen DONE
 
     @property
@@ -137,8 +140,10 @@ class Transfer:
 
     def reads_on(self, route: Route) -> Reading:
         """What this request reads on `route`, per remote rank (its `read_ranks`)."""
+        if self.route is route and self.reading is not None:
+            return self.reading
         self.route = route
-        reading = Reading({}, {})
+        reading = self.reading = Reading({}, {})
         for rank, lids, rids, nbytes in request_reads(route.plan, self.blocks):
             reading.indices[rank] = lids, rids
             reading.nbytes[rank] = nbytes
@@ -338,7 +343,10 @@ class Reads:
         attempts = ATTEMPTS
         if route is not None and route.remote_tp == ref.tp_size:
             try:  # the common case: post right here, without a task or an await
-                self._post(t, route)
+                if self._large(t.reads_on(route)):
+                    self._spawn(self._start_slow(t, ATTEMPTS))  # after the engine's answer (EARLY_CLAIM_BYTES)
+                else:
+                    self._post(t, route)
                 attempts = 0
             except StaleRoute as exc:
                 self._peers.retire(route.peer, f"posting failed: {exc}")
@@ -398,7 +406,7 @@ class Reads:
             self._fail(t, "engine_gone", "engine unregistered before the read was posted")
             return
         reading = t.reads_on(route)
-        early = reading.total >= EARLY_CLAIM_BYTES and not self._lanes.slices(reading.total)
+        early = self._large(reading)
         if t.read_ranks and self._leases is not None:  # claimed before the READs: see EARLY_CLAIM_BYTES
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
@@ -422,6 +430,10 @@ class Reads:
             self._settle_at_once(t)
         if t.running:
             self._on_posted()
+
+    def _large(self, reading: Reading) -> bool:
+        """Posted whole and large: see EARLY_CLAIM_BYTES."""
+        return reading.total >= EARLY_CLAIM_BYTES and not self._lanes.slices(reading.total)
 
     def _settle_at_once(self, t: Transfer) -> None:
         """A large READ just posted: if it is DONE already, report it now rather than after the

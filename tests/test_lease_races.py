@@ -417,10 +417,13 @@ def test_a_hold_that_never_comes_is_asked_about_less_and_less():
 
 
 @pytest.mark.parametrize("nbytes, before_post", [(2 << 20, 1), (4096, 0)])
-def test_a_large_read_sends_its_claims_before_it_is_posted(monkeypatch, nbytes, before_post):
+def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_it(monkeypatch, nbytes,
+                                                                                    before_post):
     """A READ of EARLY_CLAIM_BYTES or more holds the loop while it copies (CMA copies inside the
-    post): its claims leave before the post, so their answers are in when it ends. A small
-    read's leave at the end of the loop turn, one request with the others of that turn."""
+    post): it is posted after `start` returns (the engine has its answer first, not after the
+    copy), and its claims leave before the post, so their answers are in when it ends. A small
+    read is posted inside `start`, and its claims leave at the end of the loop turn, one
+    request with the others of that turn."""
     async def main() -> None:
         from kvxferd import reads as reads_mod
 
@@ -450,12 +453,16 @@ def test_a_large_read_sends_its_claims_before_it_is_posted(monkeypatch, nbytes, 
         er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
                              complete=lambda c: None)
         route = SimpleNamespace(remote_tp=1)
-        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route})
+
+        async def cached(ref, er, deadline):
+            return route
+        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached)
         reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
                                 leases=leases)
         reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
-        assert asked_before_post == [before_post]
+        assert asked_before_post == ([] if before_post else [0])
         await asyncio.sleep(0)
+        assert asked_before_post == [before_post]
         assert [r.release for r in asked][:1] == [False]  # the claim first (then, the read over, its unpin)
         assert sum(not r.release for r in asked) == 1  # one claim either way
     asyncio.run(main())
