@@ -135,6 +135,8 @@ def _check_block_ids(er: EngineRank, block_ids: P.Blocks) -> None:
         if not len(ids):
             continue
         limit = group.num_blocks  # a property that scans the group's views: once per group
+        if len(ids) > limit:  # some id repeats: refused before a sort of whatever length a frame holds
+            raise RequestError("bad_request", f"group {group.name}: {len(ids)} block ids for {limit} blocks")
         if ids.max() >= limit:
             raise RequestError("bad_request", f"group {group.name}: block ids {ids[ids >= limit][:8].tolist()} out "
                                               f"of range 0..{limit - 1}")

@@ -283,7 +283,8 @@ def test_packed_block_lists_are_checked_as_lists_are(cluster):
     for ids, why in [([b"\x01\x00\x00"], "3 bytes: not a whole number of 4-byte ids"),
                      ([packed(1, -5)], "packed block ids [-5] out of range 0..2147483647"),
                      ([packed(2, 64)], "block ids [64] out of range 0..63"),
-                     ([packed(3, 5, 3)], "appears twice")]:
+                     ([packed(3, 5, 3)], "appears twice"),
+                     ([packed(*range(64), 7)], "65 block ids for 64 blocks")]:
         e = call_error(cluster, P.Hold("decode", 0, "bad", 5.0, ids), as_rank=0)
         assert e.code == "bad_request" and why in str(e), e
     remote = P.RemoteRef("prefill", cluster.host, cluster.port, 1, "r")
