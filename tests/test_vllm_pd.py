@@ -194,7 +194,8 @@ class TestTwoToOne:
         before = world.bytes_read()
         compare(world, p_tp2, world.d, seed=1000)  # prompts the decode has not cached
         # each decode block gathers both heads, one from each prefill rank
-        assert world.bytes_read() - before == sum(-(-n // BLOCK) for n in (40, 100, 130)) * BLOCK_BYTES
+        read, want = world.bytes_read() - before, sum(-(-n // BLOCK) for n in (40, 100, 130)) * BLOCK_BYTES
+        assert read == want, (read, want, daemon_status(world.d_daemon).failures[-3:])
 
 
 class TestOneToTwo:
