@@ -132,11 +132,16 @@ def bench_plan(
     from .benchmarks import plan as bp
 
     rows = bp.run(blocks_per_request=blocks)
-    framing = bp.framing()
-    if as_json:
-        typer.echo(json.dumps({"plan": rows, "framing": framing}, indent=2))
-    else:
-        typer.echo(bp.render(rows) + "\n\n" + bp.render_framing(framing))
+    typer.echo(json.dumps(rows, indent=2) if as_json else bp.render(rows))
+
+
+@bench_app.command("framing")
+def bench_framing(as_json: bool = typer.Option(False, "--json")) -> None:
+    """A read's block lists as msgpack ints (protocol 7) and packed (protocol 8): engine and daemon cost."""
+    from .benchmarks import framing
+
+    rows = framing.run()
+    typer.echo(json.dumps(rows, indent=2) if as_json else framing.render(rows))
 
 
 @bench_app.command("data")

@@ -254,8 +254,14 @@ PACK_MIN_IDS = 256
 def _packed(lists: BlockLists) -> P.Blocks:
     out: P.Blocks = []
     for blocks in lists:
-        ids = blocks if isinstance(blocks, np.ndarray) else list(blocks)
-        out.append(P.pack_blocks(ids) if len(ids) >= PACK_MIN_IDS else [int(b) for b in ids])
+        ids = blocks if isinstance(blocks, list | np.ndarray) else list(blocks)
+        packed = None
+        if len(ids) >= PACK_MIN_IDS:
+            try:
+                packed = P.pack_blocks(ids)
+            except ValueError:  # ids packing would wrap: sent as ints, which the daemon refuses by name
+                pass
+        out.append(packed if packed is not None else [int(b) for b in ids])
     return out
 
 

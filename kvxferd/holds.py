@@ -130,13 +130,15 @@ def _check_block_ids(er: EngineRank, block_ids: P.Blocks) -> None:
     groups = er.geometry.groups
     if len(block_ids) != len(groups):
         raise RequestError("bad_request", f"block lists for {len(block_ids)} groups; the geometry has {len(groups)}")
+    P.check_blocks(block_ids)  # packed lists: whole ids, none negative (without copying them)
     for group, listed in zip(groups, block_ids):
-        ids = P.block_array(listed)  # never negative (decoding or block_array checked)
-        if not len(ids):
+        count = len(listed) // 4 if isinstance(listed, bytes) else len(listed)
+        if not count:
             continue
         limit = group.num_blocks  # a property that scans the group's views: once per group
-        if len(ids) > limit:  # some id repeats: refused before a sort of whatever length a frame holds
-            raise RequestError("bad_request", f"group {group.name}: {len(ids)} block ids for {limit} blocks")
+        if count > limit:  # some id repeats: refused before converting or sorting whatever a frame holds
+            raise RequestError("bad_request", f"group {group.name}: {count} block ids for {limit} blocks")
+        ids = P.block_array(listed)  # never negative (decoding or block_array checked)
         if ids.max() >= limit:
             raise RequestError("bad_request", f"group {group.name}: block ids {ids[ids >= limit][:8].tolist()} out "
                                               f"of range 0..{limit - 1}")

@@ -317,7 +317,10 @@ class Leases:
     def _on_reply(self, reply: asyncio.Future[hs.LeaseReply]) -> None:
         """A claim request's reply (or its failure), applied once."""
         a = self._unapplied.pop(reply, None)
-        if a is None or reply.cancelled():
+        if a is None:  # applied already (take_answers)
+            return
+        if reply.cancelled():  # as if unanswered: its claims are asked again, not left asking for ever
+            self._apply(a, "", [])
             return
         answers: list[hs.ClaimAnswer] = []
         agent = ""

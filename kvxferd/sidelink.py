@@ -106,11 +106,12 @@ class Link:
     def take_ready(self) -> None:
         """Take the replies already in the socket now, without waiting for the loop to see it
         readable (`Leases.take_answers`). The reader task takes whatever comes after: each
-        message is received once, by one or the other. At most MAX_WAITING + 1: a peer that
-        floods replies is read by the reader task, which yields between them."""
+        message is received once, by one or the other. At most one more than the requests still
+        unanswered: a peer that floods replies is left to the reader task, which yields between
+        them (what is left wakes it with the next message that arrives)."""
         if self.sock.closed:
             return
-        for _ in range(MAX_WAITING + 1):
+        for _ in range(sum(not f.done() for f in self.waiting.values()) + 1):
             try:
                 parts = self._now.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:  # nothing there (EAGAIN), or closed
@@ -127,7 +128,9 @@ class Link:
         except hs.DECODE_ERRORS as exc:
             self._malformed(str(exc)[:200])
             return
-        seq = reply.seq if reply.seq else next(iter(self.waiting), None)  # an older daemon's refusal
+        # an older daemon's refusal answers the oldest request not answered yet (answered ones
+        # leave `waiting` only when their callbacks run: take_ready may take several at once)
+        seq = reply.seq if reply.seq else next((s for s, f in self.waiting.items() if not f.done()), None)
         fut = self.waiting.get(seq) if seq is not None else None
         if fut is not None and not fut.done():
             fut.set_result(reply)

@@ -301,8 +301,9 @@ def test_packed_block_lists_are_checked_as_lists_are(cluster):
 
 
 def test_the_client_never_packs_an_id_that_would_wrap():
-    """Packing is int32: an id past MAX_BLOCK_ID would land on another block, so the client
-    refuses it; below PACK_MIN_IDS ids, and for protocol 7 daemons, lists stay msgpack ints."""
+    """Packing is int32: an id past MAX_BLOCK_ID would land on another block, so `pack_blocks`
+    refuses it and the client sends such a list as ints, which the daemon refuses by name, as
+    before protocol 8; below PACK_MIN_IDS ids, and for protocol 7 daemons, lists stay ints."""
     from kvxferd.client import PACK_MIN_IDS, Requests
 
     remote = P.RemoteRef("prefill", "h", 1, 1, "r")
@@ -313,7 +314,11 @@ def test_the_client_never_packs_an_id_that_would_wrap():
     assert Requests("d", 0, 1, 7).read("r", remote, 10, [long], [long], 1.0).local_blocks == [long]
     for bad in ([*long, 1 << 31], [*long, 1 << 32], [*long, -1], [*long, 1 << 70]):
         with pytest.raises(ValueError, match="block ids"):
-            Requests("d", 0, 1, 8).hold("r", 1.0, [bad])
+            P.pack_blocks(bad)
+        assert Requests("d", 0, 1, 8).hold("r", 1.0, [bad]).block_ids == [bad]
+        with pytest.raises((msgspec.ValidationError, OverflowError)):  # the daemon's decoder refuses it
+            P.request_decoder.decode(P.encoder.encode(Requests("d", 0, 1, 8).hold("r", 1.0, [bad])))  # (2**70: no
+            # msgpack int holds it, the encoder raises first, as before protocol 8)
 
 
 def test_block_ids_out_of_range_fail_the_request(cluster):

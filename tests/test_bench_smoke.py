@@ -3,7 +3,7 @@ reported by `kvxferd bench` as ratios against baselines measured in the same run
 
 import msgspec
 
-from kvxferd.benchmarks import control, dataplane, handshake, plan, step
+from kvxferd.benchmarks import control, dataplane, framing, handshake, plan, step
 
 
 def test_bench_data_runs():
@@ -56,6 +56,18 @@ def test_bench_plan_runs():
     shape = msgspec.structs.replace(plan.LLAMA70B, layers=2, num_blocks=500)
     rows = plan.run(p_tps=(4,), shape=shape, blocks_per_request=8)
     assert rows[0]["descriptors"] == 2 * 2 * 500 and rows[0]["speedup"] > 0
+
+
+def test_bench_framing_compares_the_same_reads_both_ways():
+    """Below PACK_MIN_IDS both protocols send the same frame; from it on, protocol 8's is packed
+    (4 bytes an id)."""
+    from kvxferd.client import PACK_MIN_IDS
+
+    shape = msgspec.structs.replace(plan.LLAMA70B, layers=2, num_blocks=2 * PACK_MIN_IDS)
+    short, long = framing.run((8, PACK_MIN_IDS), shape)
+    assert short["frame_bytes_7"] == short["frame_bytes_8"]
+    assert long["frame_bytes_8"] - long["frame_bytes_7"] > 0 and long["daemon_us_8"] > 0 < long["engine_us_8"]
+    assert "p8/p7" in framing.render([short, long])
 
 
 def test_bench_json_is_only_json_on_stdout():

@@ -468,6 +468,92 @@ def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("answered_in_the_copy", [True, False])
+def test_a_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch, answered_in_the_copy):
+    """Over CMA a large READ's copy runs inside its post, and its claim is answered meanwhile:
+    the read is reported `received` as the post returns, in the same loop turn, because the
+    waiting answer vouches for its end. Without that answer it is not reported then, and is
+    once the answer comes."""
+    async def main() -> None:
+        from kvxferd import reads as reads_mod
+
+        class Link:
+            def __init__(self) -> None:
+                self.out: list[tuple[hs.LeaseRequest, asyncio.Future]] = []
+
+            def ask(self, req, timeout_s):
+                self.out.append((req, asyncio.get_running_loop().create_future()))
+                return self.out[-1][1]
+
+            def answer(self) -> None:  # what came back: a hold of 20 s
+                for req, fut in self.out:
+                    if not fut.done():
+                        fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0)
+                                                                                 for _ in req.claims]))
+
+            def take_ready(self) -> None:
+                if answered_in_the_copy:
+                    self.answer()
+
+        class Done:  # a READ NIXL reports DONE
+            def ended(self) -> bool:
+                return True
+
+            def release(self) -> None:
+                pass
+
+            def release_if_ended(self) -> bool:
+                return True
+
+            def cancel(self) -> bool:
+                return False
+
+            def timing(self) -> None:
+                return None
+
+            def ended_at(self) -> float:
+                return 0.0
+
+        def reads_on(self, route):
+            self.route, self.read_ranks = route, [0]
+            ids = np.arange(4, dtype=np.int32)
+            return reads_mod.Reading({0: (ids, ids)}, {0: reads_mod.EARLY_CLAIM_BYTES})
+
+        def post(self, reading, nixl, lanes, on_sliced):
+            self.postings.append(Done())  # the copy ran inside this call
+            return 1
+
+        monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
+        monkeypatch.setattr(reads_mod.Transfer, "post", post)
+        link = Link()
+        leases = Leases(SimpleNamespace(to=lambda h, p: link, get=lambda h, p: link), Recorder(), "me", 20.0, True, 5.0)
+        ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
+        completions: list[P.Completion] = []
+        er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
+                             complete=completions.append)
+        route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch=""),
+                                plan=SimpleNamespace(targets=(0,)))
+
+        async def cached(ref, er, deadline):
+            return route
+        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached)
+        reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
+                                leases=leases, on_posted=lambda: None)
+        reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
+        assert not completions and not link.out  # posted after the engine's answer
+        await asyncio.sleep(0)  # the post: claim sent, copy, answers taken, READ seen DONE
+        assert len(link.out) == 1
+        if answered_in_the_copy:
+            assert [c.status for c in completions] == ["received"]
+            return
+        assert not completions  # nothing vouches for the READ's end yet
+        link.answer()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert [c.status for c in completions] == ["received"]
+    asyncio.run(main())
+
+
 def test_a_peer_address_zmq_refuses_does_not_hold_up_other_peers_claims():
     """An engine may name any address; one ZMQ cannot dial (it raises while the turn's claims
     go out) fails its own claims only: the other peers' claims of that turn are asked and

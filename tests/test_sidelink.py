@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -121,6 +122,37 @@ def test_a_request_is_on_the_wire_when_ask_returns():
             assert await asyncio.wait_for(reply, 5.0) == hs.LeaseReply(True, seq=9)
             await asyncio.sleep(0)
             assert not link.waiting  # answered: nothing left waiting
+
+    asyncio.run(main())
+
+
+def test_take_ready_takes_what_waits_and_the_reader_what_comes_after():
+    """Replies already in the socket are taken by `take_ready` with the loop standing still, each
+    once (the reader task awaits the same socket); a burst of an older daemon's refusals without
+    seq answers the oldest unanswered requests, one each; a reply that comes later still reaches
+    the reader task; a closed link takes nothing."""
+    async def main():
+        async with linked_to_router() as (link, router):
+            replies = [link.ask(lease(seq), 5.0) for seq in (1, 2, 3, 4)]
+            await asyncio.sleep(0)  # the reader task now waits on the socket
+            for _ in replies:
+                assert router.poll(5000)
+                ident, _empty, _body = router.recv_multipart()
+            for reply in (hs.LeaseReply(True, seq=2), hs.LeaseReply(False, reason="x"),
+                          hs.LeaseReply(False, reason="y")):
+                router.send_multipart([ident, b"", hs.encode(reply)])
+            for _ in range(500):  # arrived (the loop stands still: nobody else takes them)
+                if link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                time.sleep(0.01)
+            link.take_ready()
+            assert [r.done() for r in replies] == [True, True, True, False]
+            assert (replies[0].result().reason, replies[1].result().seq, replies[2].result().reason) == ("x", 2, "y")
+            router.send_multipart([ident, b"", hs.encode(hs.LeaseReply(True, seq=4))])
+            assert (await asyncio.wait_for(replies[3], 5.0)).seq == 4
+            await asyncio.sleep(0)
+            assert not link.waiting and link.malformed == 0
+        link.take_ready()  # closed with its Links: nothing to take, nothing raised
 
     asyncio.run(main())
 
