@@ -247,7 +247,7 @@ def _listed(lists: BlockLists) -> P.Blocks:
 
 
 # Lists this long and longer travel packed; shorter ones cost both ends less as msgpack ints than
-# numpy's calls do (`kvxferd bench plan`'s framing table, docs/benchmarks.md).
+# numpy's calls do (`kvxferd bench framing`, docs/benchmarks.md).
 PACK_MIN_IDS = 256
 
 

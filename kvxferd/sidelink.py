@@ -108,7 +108,7 @@ class Link:
         readable (`Leases.take_answers`). The reader task takes whatever comes after: each
         message is received once, by one or the other. At most one more than the requests still
         unanswered: a peer that floods replies is left to the reader task, which yields between
-        them (what is left wakes it with the next message that arrives)."""
+        them."""
         if self.sock.closed:
             return
         for _ in range(sum(not f.done() for f in self.waiting.values()) + 1):
@@ -117,6 +117,10 @@ class Link:
             except zmq.ZMQError:  # nothing there (EAGAIN), or closed
                 return
             self._take(parts)
+        # Stopped with messages perhaps left: our reads consumed the socket's wake-up, and ZMQ
+        # sends none for a queue never read empty. Asking the asyncio socket for its events
+        # schedules its reader when input waits (pyzmq), so the reader task takes the rest.
+        self.sock.get(zmq.EVENTS)
 
     def _take(self, parts: list[bytes]) -> None:
         """A reply off the wire to the request waiting for it; what is not one is dropped."""
