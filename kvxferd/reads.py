@@ -480,7 +480,7 @@ class Reads:
         why = f"{kind}: {reason}"
         self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
             time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
-        t.engine.complete(P.Completion(t.msg.request_id, "failed", [b.tolist() for b in t.blocks.local]
+        t.engine.complete(P.Completion(t.msg.request_id, "failed", P.block_lists(t.msg.local_blocks)
                                        if block_ids is None else block_ids, why, 0, seconds))
         self._end(t)
 
