@@ -109,4 +109,3 @@ def render(rows: list[dict[str, Any]]) -> str:
                      f"{r['arrays_peak_mib']:>9.1f} {r['baseline_peak_mib']:>9.1f} {r['request_us']:>7.1f} "
                      f"{r['baseline_request_us']:>8.1f}")
     return "\n".join(lines)
-
