@@ -336,6 +336,8 @@ class Percentiles(msgspec.Struct, omit_defaults=True):
 class Latency(msgspec.Struct):
     rpc_to_post: Percentiles
     rpc_to_completion: Percentiles
+    # NIXL's post call per READ posted whole (its telemetry); over CMA the copy runs inside it
+    nixl_post: Percentiles = msgspec.field(default_factory=lambda: Percentiles(0))
 
 
 class FailureRecord(msgspec.Struct):

@@ -59,6 +59,7 @@ class Recorder:
         self._reads: deque[tuple[float, int]] = deque(maxlen=4096)  # (finish time, bytes) of recent reads
         self._rpc_to_post: deque[float] = deque(maxlen=8192)  # seconds
         self._rpc_to_completion: deque[float] = deque(maxlen=8192)
+        self._nixl_post: deque[float] = deque(maxlen=8192)
         self._peer_labels: set[str] = set()
         self._read_series: dict[str, _ReadSeries] = {}  # by peer label: at most PEER_LABELS + 1
         # by (method, outcome): method names are the protocol's, a bounded set
@@ -154,6 +155,7 @@ class Recorder:
 
     def nixl_timed(self, post_s: float, transfer_s: float) -> None:
         self.metrics.nixl_post.observe(post_s)
+        self._nixl_post.append(post_s)
         self.metrics.nixl_xfer.observe(transfer_s)
 
     def read_received(self, peer: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
@@ -248,7 +250,8 @@ class Recorder:
         return P.Recent(RECENT_S, len(nbytes), sum(nbytes), sum(nbytes) / RECENT_S)
 
     def latency(self) -> P.Latency:
-        return P.Latency(_percentiles(self._rpc_to_post), _percentiles(self._rpc_to_completion))
+        return P.Latency(_percentiles(self._rpc_to_post), _percentiles(self._rpc_to_completion),
+                         _percentiles(self._nixl_post))
 
 
 def _percentiles(samples: deque[float]) -> P.Percentiles:

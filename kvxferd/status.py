@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .logs import escape
-from .protocol import Status
+from .protocol import Percentiles, Status
 
 
 def _table(rows: Sequence[msgspec.Struct], cols: list[tuple[str, str]]) -> list[str]:
@@ -38,15 +38,24 @@ def _more(shown: int, total: int) -> list[str]:
     return [f"  ... {total - shown} more (oldest shown)"] if total > shown else []
 
 
+def _us(p: Percentiles) -> str:
+    if not p.n or p.p50 is None or p.p99 is None:
+        return "-"
+    return f"{p.p50 / 1e3:.3g}/{p.p99 / 1e3:.3g} ms"
+
+
 def render(st: Status) -> str:
-    c, rec = st.counters, st.recent
+    c, rec, lat = st.counters, st.recent, st.latency_us
     lines = [f"kvxferd {escape(st.version)}  agent {escape(st.agent)}  up {st.uptime_s:.0f}s",
              f"socket {escape(st.socket)}  side channel {escape(st.side_channel)}",
              f"reads: {c.received} received ({c.split_reads} split), {c.failed} failed "
              f"({c.integrity_failures} integrity)   "
              f"holds: {c.sent} sent, {c.expired} "
              f"expired   last {rec.window_s}s: {rec.reads} reads, {rec.bytes_per_s / 1e6:.1f} MB/s"
-             f"   quarantined: {st.quarantined}", "", "engines"]
+             f"   quarantined: {st.quarantined}",
+             f"read latency p50/p99: request -> READ posted "
+             f"{_us(lat.rpc_to_post)}, request -> completion {_us(lat.rpc_to_completion)}, "
+             f"NIXL post call {_us(lat.nixl_post)}", "", "engines"]
     lines += _table(st.engines, [("engine", "ENGINE"), ("rank", "RANK"), ("tp_size", "TP"), ("memory", "MEM"),
                                  ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
     t = st.totals

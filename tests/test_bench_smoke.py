@@ -1,18 +1,44 @@
 """The benchmarks run end to end (tiny sizes). Their figures are not asserted here: speed is
 reported by `kvxferd bench` as ratios against baselines measured in the same run."""
 
+import os
+
 import msgspec
+import numpy as np
 
 from kvxferd.benchmarks import control, dataplane, framing, handshake, plan, step
+from kvxferd.memory import create_shm
 
 
 def test_bench_data_runs():
     (row,) = dataplane.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=2, lane_split_bytes=1 << 20)
     assert row["descriptors"] == 128
     assert all(row[k] > 0 for k in ("kvxferd_gb_s", "lanes_gb_s", "raw_nixl_gb_s", "memcpy_gb_s", "memcpy2_gb_s",
-                                    "kvxferd_over_raw", "lanes_over_raw"))
+                                    "kvxferd_over_raw", "lanes_over_raw", "raw_same_pages_gb_s",
+                                    "daemon_post_ms", "post_over_raw_post"))
     assert row["split_reads"] > 0  # 2 MiB in 1 MiB slices: the lanes pair split every read
     assert "16KiB" in dataplane.render([row])
+
+
+def test_the_raw_baseline_reads_the_engines_own_pages():
+    """bench data's parity baseline moves the very pages kvxferd moves: what the raw reader
+    reads lands in the decode engine's memory, from the prefill engine's."""
+    page, n = 16 << 10, 4
+    size = 2 * n * page
+    (src_fd, src), (dst_fd, dst) = create_shm(size, "prefill"), create_shm(size, "decode")
+    prefill, decode = np.frombuffer(src, dtype=np.uint8), np.frombuffer(dst, dtype=np.uint8)
+    prefill[:] = np.arange(size) % 251
+    pages = ([(f"/proc/{os.getpid()}/fd/{src_fd}", size)], [(f"/proc/{os.getpid()}/fd/{dst_fd}", size)])
+    pair = dataplane.RawPair(page, n, memory=pages)
+    try:
+        decode[:] = 0  # after the pair's first READs
+        times, posts = pair.reads(1)
+    finally:
+        pair.close()
+        os.close(src_fd)
+        os.close(dst_fd)
+    assert len(times) == len(posts) == 1
+    assert np.array_equal(decode, prefill)
 
 
 def test_bench_control_runs():

@@ -7,6 +7,7 @@ import pytest
 
 from kvxferd.lab.synthetic.demo import Cluster, run_demo
 from kvxferd.plan.models import PRESETS
+from kvxferd.status import render
 
 replace = msgspec.structs.replace
 DENSE = replace(PRESETS["dense"], num_blocks=128, layers=2)
@@ -53,6 +54,11 @@ def test_handshake_reused_by_later_requests(cluster):
     assert st.counters.handshakes == 1
     (peer,) = st.peers
     assert peer.engine == "prefill" and peer.plans == 4  # one cached plan per decode rank
+    # every READ posted whole is timed by NIXL's telemetry: what `status` reports as its post call
+    lat = st.latency_us
+    assert lat.nixl_post.n >= st.counters.received > 0 and 0 < lat.nixl_post.p50 <= lat.nixl_post.p99
+    assert lat.rpc_to_completion.n == st.counters.received
+    assert "NIXL post call" in render(st) and "NIXL post call -" not in render(st)
 
 
 def test_partial_and_full_prefix_hits(cluster):

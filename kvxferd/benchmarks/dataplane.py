@@ -1,10 +1,14 @@
-"""`kvxferd bench data`: one descriptor workload moved three ways in one run.
+"""`kvxferd bench data`: one descriptor workload moved several ways in one run.
 
   kvxferd   engine -> RPC -> decode daemon -> NIXL READ from the prefill daemon's agent, posted
             whole (lanes off: one stream, what raw NIXL does)
   raw NIXL  a reader process and a target process driving nixl._api directly, configured as
             kvxferd configures its agent (no NIXL progress thread; the target progresses
-            every millisecond, the reader busy-polls its transfer)
+            every millisecond, the reader busy-polls its transfer). Parity is judged against
+            raw NIXL moving the same pages, between the same two engines' memfds, alternating
+            with kvxferd: on a VM a copy's speed depends on where its pages landed (the same
+            READ between two fresh allocations scatters by +-15% here), so memory of the raw
+            sides' own is a baseline of other pages (still shown: "own pgs").
   lanes     kvxferd with 2 posting lanes (`lanes = 2`): a read this large split across them
   memcpy    one process copying the same bytes, with 1 and 2 threads (this machine's limits)
 
@@ -18,6 +22,7 @@ size (HND, one KV head whose page is exactly the page size), TP 1 -> 1.
 from __future__ import annotations
 
 import itertools
+import mmap
 import multiprocessing as mp
 import os
 import subprocess
@@ -26,7 +31,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -46,54 +51,80 @@ def shape_for(page: int, blocks: int) -> ModelShape:
     return ModelShape(layers=1, kv_heads=1, head_dim=page // 32, block_size=16, num_blocks=blocks)
 
 
-def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, int]],
-              results: Queue[Any], page: int, n: int, repeats: int, device: str, agents: int = 1) -> None:
+def _raw_memory(role: str, page: int, n: int, device: str, shared: list[tuple[str, int]] | None) -> tuple[
+        Any, list[tuple[int, int]], str]:
+    """A raw side's memory: (what keeps it alive, its buffers as (address, bytes), NIXL's kind).
+    `shared`: an engine's memfds, as /proc paths, mapped instead of memory of its own (the same
+    pages kvxferd moves)."""
+    size = 2 * n * page
+    if device == "cuda-vmm":
+        from ..memory import VmmBuffer
+        vmm = VmmBuffer(size)
+        return vmm, [(vmm.address, size)], "VRAM"
+    if shared is None:
+        fd, mm = create_shm(size, f"raw-{role}")  # memory of the kind engines register (a memfd)
+        os.close(fd)  # the mapping keeps it
+        np.frombuffer(mm, dtype=np.uint8)[:] = 0x5A
+        maps = [mm]
+    else:
+        maps = []
+        for path, nbytes in shared:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+            finally:
+                os.close(fd)
+    return maps, [(np.frombuffer(mm, dtype=np.uint8).ctypes.data, len(mm)) for mm in maps], "DRAM"
+
+
+def _page_rows(buffers: list[tuple[int, int]], page: int) -> np.ndarray:
+    """Every buffer, in order, as (address, page, device 0) descriptor rows."""
+    rows = [np.stack([addr + np.arange(nbytes // page, dtype=np.int64) * page,
+                      np.full(nbytes // page, page, dtype=np.int64),
+                      np.zeros(nbytes // page, dtype=np.int64)], 1) for addr, nbytes in buffers]
+    return np.concatenate(rows)
+
+
+def _raw_side(role: str, q_out: Queue[tuple[Any, np.ndarray]], q_in: Queue[tuple[Any, np.ndarray]],
+              commands: Queue[int | None], results: Queue[Any], page: int, n: int, device: str,
+              agents: int = 1, shared: list[tuple[str, int]] | None = None) -> None:
     """One NIXL agent (the reader: `agents` of them, each reading its slice from its own
-    thread). q_out/q_in: (agent metadata, buffer address). `results`: the reader puts its
-    timings there; the target gets the done signal (None) from it."""
+    thread). q_out/q_in: (agent metadata, descriptor rows). The reader reads every page of the
+    target's buffers into its own, `k` times per command `k`, and puts (seconds post -> DONE,
+    seconds in the slowest post call) per READ in `results`; None ends both sides."""
 
     from ..nixl_driver import nixl_api
 
     api = nixl_api()
     agent = api.nixl_agent(f"raw-{role}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    size = 2 * n * page
-    if device == "cuda-vmm":
-        from ..memory import VmmBuffer
-        vmm = VmmBuffer(size)
-        addr, mem = vmm.address, "VRAM"
-    else:
-        fd, mm = create_shm(size, f"raw-{role}")  # memory of the kind engines register (a memfd)
-        os.close(fd)  # the mapping keeps it
-        buf = np.frombuffer(mm, dtype=np.uint8)
-        buf[:] = 0x5A
-        addr, mem = buf.ctypes.data, "DRAM"
-    agent.register_memory(agent.get_reg_descs([(addr, size, 0, "")], mem), mem)
-    q_out.put((agent.get_agent_metadata(), addr))
-    meta, raddr = q_in.get()
+    keep, buffers, mem = _raw_memory(role, page, n, device, shared)
+    for addr, nbytes in buffers:
+        agent.register_memory(agent.get_reg_descs([(addr, nbytes, 0, "")], mem), mem)
+    local = _page_rows(buffers, page)
+    q_out.put((agent.get_agent_metadata(), local))
+    meta, remote = q_in.get()
     if role != "reader":
         import queue
 
         while True:  # progress like an idle daemon until the reader is done
             agent.get_new_notifs()
             try:
-                results.get(timeout=0.001)
+                commands.get(timeout=0.001)
                 return
             except queue.Empty:
                 pass
-    offs = np.arange(2 * n, dtype=np.int64) * page
-    local = np.stack([addr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
-    remote = np.stack([raddr + offs, np.full(2 * n, page), np.zeros(2 * n, dtype=np.int64)], 1)
     readers = [agent] + [api.nixl_agent(f"raw-reader{k}", api.nixl_agent_config(enable_prog_thread=False,
                                                                                  backends=["UCX"]))
                          for k in range(1, agents)]
     for extra in readers[1:]:
-        extra.register_memory(extra.get_reg_descs([(addr, size, 0, "")], mem), mem)
+        for addr, nbytes in buffers:
+            extra.register_memory(extra.get_reg_descs([(addr, nbytes, 0, "")], mem), mem)
     lists = []
     for a in readers:
         peer = a.add_remote_agent(meta)
         lists.append((a, a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(local, mem), mem),
                       a.prep_xfer_dlist(peer, a.get_xfer_descs(remote, mem), mem)))
-    slices = np.array_split(np.arange(2 * n, dtype=np.int32), agents)
+    slices = np.array_split(np.arange(len(local), dtype=np.int32), agents)
 
     def read(k: int) -> float:
         """One agent's slice, posted and polled to DONE; returns the post call's seconds."""
@@ -112,16 +143,16 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, int]], q_in: Queue[tuple[Any, i
         a.release_xfer_handle(h)
         return posted
 
-    times: list[float] = []
-    posts: list[float] = []
     with ThreadPoolExecutor(agents) as pool:
-        for i in range(repeats + 2):
-            t0 = time.perf_counter()
-            post = read(0) if agents == 1 else max(pool.map(read, range(agents)))
-            if i >= 2:
+        while (count := commands.get()) is not None:
+            times: list[float] = []
+            posts: list[float] = []
+            for _ in range(count):
+                t0 = time.perf_counter()
+                posts.append(read(0) if agents == 1 else max(pool.map(read, range(agents))))
                 times.append(time.perf_counter() - t0)
-                posts.append(post)
-    results.put((times, posts))
+            results.put((times, posts))
+    del keep
 
 
 # A process busy 0.4 ms of every 1 ms: about what the prefill daemon and the engine cost beside
@@ -131,30 +162,59 @@ NEIGHBOUR = ("import time\nwhile True:\n t = time.perf_counter()\n while time.pe
              " time.sleep(0.0006)\n")
 
 
+class RawPair:
+    """A raw NIXL reader and target, each a process of its own, reading `2 n` pages of `page`
+    bytes per READ: from memory of their own, or (`memory`: the prefill engine's and the decode
+    engine's memfds) the very pages kvxferd moves between those engines."""
+
+    def __init__(self, page: int, n: int, device: str = "cpu", agents: int = 1,
+                 memory: tuple[list[tuple[str, int]], list[tuple[str, int]]] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        a: Queue[tuple[Any, np.ndarray]] = ctx.Queue()
+        b: Queue[tuple[Any, np.ndarray]] = ctx.Queue()
+        self.commands: Queue[int | None] = ctx.Queue()
+        self.stop_target: Queue[int | None] = ctx.Queue()
+        self.results: Queue[tuple[list[float], list[float]]] = ctx.Queue()
+        target_memory, reader_memory = memory or (None, None)
+        self.reader = ctx.Process(target=_raw_side, args=("reader", a, b, self.commands, self.results, page, n,
+                                                          device, agents, reader_memory), daemon=True)
+        self.target = ctx.Process(target=_raw_side, args=("target", b, a, self.stop_target, None, page, n,
+                                                          device, 1, target_memory), daemon=True)
+        self.reader.start()
+        self.target.start()
+        self.reads(2)  # the first READs bring the connection up
+
+    def reads(self, count: int) -> tuple[list[float], list[float]]:
+        """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone)."""
+        self.commands.put(count)
+        return self.results.get(timeout=300)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self.stop_target.put(None)
+        for p in (self.reader, self.target):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def raw_nixl(page: int, n: int, repeats: int, device: str = "cpu", agents: int = 1,
              neighbour: bool = False) -> tuple[list[float], list[float]]:
-    """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone).
-    `neighbour`: with a process busy 0.4 ms of every 1 ms beside it (NEIGHBOUR)."""
-    ctx = mp.get_context("spawn")
-    a: Queue[tuple[Any, int]] = ctx.Queue()
-    b: Queue[tuple[Any, int]] = ctx.Queue()
-    results: Queue[tuple[list[float], list[float]]] = ctx.Queue()
-    done: Queue[None] = ctx.Queue()
-    reader = ctx.Process(target=_raw_side, args=("reader", a, b, results, page, n, repeats, device, agents))
-    target = ctx.Process(target=_raw_side, args=("target", b, a, done, page, n, repeats, device))
+    """Per READ, `repeats` of them between memory of the raw sides' own: (seconds from post to
+    DONE, seconds in the (slowest) post call alone). `neighbour`: with a process busy 0.4 ms of
+    every 1 ms beside it (NEIGHBOUR)."""
     busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
     try:
-        reader.start()
-        target.start()
-        out = results.get(timeout=300)
+        pair = RawPair(page, n, device, agents)
+        try:
+            return pair.reads(repeats)
+        finally:
+            pair.close()
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
-    done.put(None)
-    reader.join(10)
-    target.join(10)
-    return out
 
 
 def memcpy(nbytes: int, repeats: int, device: str = "cpu", threads: int = 1) -> float:
@@ -184,18 +244,35 @@ def memcpy(nbytes: int, repeats: int, device: str = "cpu", threads: int = 1) -> 
     return median(times)
 
 
-def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
-                    device: str = "cpu") -> tuple[list[float], list[float]]:
-    """Per request: (read call -> completion in the engine, read call -> its `ok` reply). The
-    decode engine learns of completions from its doorbell's records, as the vLLM worker does."""
+class Stream(NamedTuple):
+    """One engine pair's requests through kvxferd, and raw NIXL's over the same memory."""
+
+    times: list[float]  # read call -> completion in the engine
+    acks: list[float]  # read call -> its `ok` reply
+    raw_times: list[float]  # raw NIXL over the engines' own pages: post -> DONE
+    raw_posts: list[float]  # the post call alone
+
+
+def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device: str = "cpu",
+                    raw_first: bool | None = None) -> Stream:
+    """`repeats` requests through kvxferd. The decode engine learns of completions from its
+    doorbell's records, as the vLLM worker does. `raw_first` True / False: also `repeats` raw
+    NIXL READs between the same two engines' memory, before / after kvxferd's (the speed of a
+    copy on this VM depends on the pages it lands on: only the same pages compare the two)."""
     shape = shape_for(page, n)
     # Each round's engines are new engines, with ids of their own (as vLLM's are at each start):
     # a registration under an id a daemon served before is a restart, its routes retired.
     engines = next(_engine_pairs)
     prefill_id = f"p{page}-{engines}"
-    p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device)
-    d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device, doorbell="records")
+    keep = raw_first is not None
+    p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device, keep_fds=keep)
+    d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device, doorbell="records",
+                    keep_fds=keep)
+    raw: RawPair | None = None
     try:
+        if raw_first is not None:
+            raw = RawPair(page, n, device, memory=(p.memfds(), d.memfds()))
+        raw_times, raw_posts = raw.reads(repeats) if raw is not None and raw_first else ([], [])
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
         times: list[float] = []
@@ -212,8 +289,12 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int,
             if i >= 2:  # the first reads include the handshake and descriptor preparation
                 times.append(elapsed)
                 acks.append(ack)
-        return times, acks
+        if raw is not None and not raw_first:
+            raw_times, raw_posts = raw.reads(repeats)
+        return Stream(times, acks, raw_times, raw_posts)
     finally:
+        if raw is not None:
+            raw.close()
         d.close()
         p.close()
 
@@ -262,15 +343,19 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on all alike. Per page size, fresh daemons: one pair posting every read whole
     (lanes off), one pair with 2 posting lanes (a 64 MiB read split across them); the
-    whole pair's own latency figures (RPC -> READ posted, RPC -> completion) cover that page
-    size alone."""
+    whole pair's own latency figures (RPC -> READ posted, RPC -> completion, NIXL's post call)
+    cover that page size alone. On the CPU, parity is judged against raw NIXL reading the same
+    engines' pages, before kvxferd in odd rounds and after it in even ones."""
     rows: list[dict[str, float]] = []
     nbytes = total_mib << 20
+    same_pages = device == "cpu"  # a VMM allocation has no fd a raw process could map here
     for page in page_sizes:
         n = nbytes // (2 * page)
         whole: list[float] = []
         acks: list[float] = []
         split: list[float] = []
+        same: list[float] = []
+        same_posts: list[float] = []
         raw: list[float] = []
         raw_posts: list[float] = []
         raw_busy: list[float] = []
@@ -286,11 +371,14 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
             with environment(laned_env):
                 laned = stack.enter_context(daemons(2))
             one_stream_sockets, laned_sockets = [d.socket for d in one_stream], [d.socket for d in laned]
-            for _ in range(rounds):
-                times, ack = through_kvxferd(one_stream_sockets, page, n, repeats, device)
-                whole += times
-                acks += ack
-                split += through_kvxferd(laned_sockets, page, n, repeats, device)[0]
+            for i in range(rounds):
+                stream = through_kvxferd(one_stream_sockets, page, n, repeats, device,
+                                         raw_first=i % 2 == 1 if same_pages else None)
+                whole += stream.times
+                acks += stream.acks
+                same += stream.raw_times
+                same_posts += stream.raw_posts
+                split += through_kvxferd(laned_sockets, page, n, repeats, device).times
                 times, posts = raw_nixl(page, n, repeats, device)
                 raw += times
                 raw_posts += posts
@@ -305,16 +393,24 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
                 small_whole = small_reads_meanwhile(one_stream_sockets, page, n, repeats)
                 small_split = small_reads_meanwhile(laned_sockets, page, n, repeats)
         k, sk, r, r2 = median(whole), median(split), median(raw), median(raw2)
+        rs = median(same) if same else r  # the baseline parity is judged against
+        post = (daemon.nixl_post.p50 or 0) / 1e6
+        same_post = median(same_posts or raw_posts)
         m1, m2 = memcpy(nbytes, repeats, device), memcpy(nbytes, repeats, device, threads=2)
         rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib, "rounds": rounds,
                      "kvxferd_gb_s": nbytes / k / 1e9, "lanes_gb_s": nbytes / sk / 1e9,
-                     "raw_nixl_gb_s": nbytes / r / 1e9, "raw_nixl_2_agents_gb_s": nbytes / r2 / 1e9,
+                     "raw_same_pages_gb_s": nbytes / rs / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
+                     "raw_nixl_2_agents_gb_s": nbytes / r2 / 1e9,
                      "memcpy_gb_s": nbytes / m1 / 1e9, "memcpy2_gb_s": nbytes / m2 / 1e9,
-                     "kvxferd_over_raw": r / k, "lanes_over_raw": r / sk, "lanes_of_memcpy2": m2 / sk,
+                     "kvxferd_over_raw": rs / k, "kvxferd_over_raw_own_pages": r / k,
+                     "lanes_over_raw": r / sk, "lanes_of_memcpy2": m2 / sk,
                      "raw_busy_over_raw": r / median(raw_busy) if raw_busy else 0.0,
                      "raw_2_agents_over_raw": r / r2, "split_reads": split_reads,
                      "kvxferd_ms": k * 1e3, "read_call_ms": median(acks) * 1e3,
-                     "raw_ms": r * 1e3, "raw_post_ms": median(raw_posts) * 1e3,
+                     "raw_ms": rs * 1e3, "raw_post_ms": same_post * 1e3,
+                     "daemon_post_ms": post * 1e3,
+                     "post_over_raw_post": same_post / post if post and same_post else 0.0,
+                     "around_copy_ms": (k - post) * 1e3 if post else 0.0,
                      "daemon_rpc_to_post_ms": (daemon.rpc_to_post.p50 or 0) / 1e3,
                      "daemon_rpc_to_done_ms": (daemon.rpc_to_completion.p50 or 0) / 1e3,
                      "small_read_whole_ms": median(small_whole) * 1e3 if small_whole else 0.0,
@@ -324,24 +420,25 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
 
 def render(rows: list[dict[str, float]]) -> str:
     """Three tables: throughput and ratios; where one stream's time goes; a small read's wait."""
-    lines = [f"{'page':>8} {'descs':>6} {'kvxferd':>8} {'raw NIXL':>9} {'kvxferd/':>9} {'lanes':>7} {'lanes/':>7} "
-             f"{'raw NIXL':>9} {'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
-             f"{'':>8} {'':>6} {'1 stream':>8} {'GB/s':>9} {'raw':>9} {'GB/s':>7} {'raw':>7} "
-             f"{'2 agents':>9} {'1 thr':>7} {'2 thr':>7} {'memcpy2':>8}"]
+    lines = [f"{'page':>8} {'descs':>6} {'kvxferd':>8} {'raw NIXL':>9} {'kvxferd/':>9} {'raw NIXL':>9} {'lanes':>7} "
+             f"{'lanes/':>8} {'raw NIXL':>9} {'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
+             f"{'':>8} {'':>6} {'1 stream':>8} {'same pgs':>9} {'raw':>9} {'own pgs':>9} {'GB/s':>7} "
+             f"{'raw own':>8} {'2 agents':>9} {'1 thr':>7} {'2 thr':>7} {'memcpy2':>8}"]
     for r in rows:
         lines.append(f"{r['page_kib']:>5}KiB {r['descriptors']:>6} {r['kvxferd_gb_s']:>8.2f} "
-                     f"{r['raw_nixl_gb_s']:>9.2f} {r['kvxferd_over_raw']:>9.2f} {r['lanes_gb_s']:>7.2f} "
-                     f"{r['lanes_over_raw']:>7.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} {r['memcpy_gb_s']:>7.2f} "
-                     f"{r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
-    lines += ["", "one stream, medians in ms per request:",
-              f"{'page':>8} {'kvxferd':>8} {'read':>7} {'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw post':>9} "
-              f"{'raw, busy':>10}",
-              f"{'':>8} {'client':>8} {'call':>7} {'daemon':>9} {'daemon':>9} {'READ':>7} {'call':>9} "
-              f"{'nbr / raw':>10}"]
+                     f"{r['raw_same_pages_gb_s']:>9.2f} {r['kvxferd_over_raw']:>9.2f} {r['raw_nixl_gb_s']:>9.2f} "
+                     f"{r['lanes_gb_s']:>7.2f} {r['lanes_over_raw']:>8.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} "
+                     f"{r['memcpy_gb_s']:>7.2f} {r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
+    lines += ["", "one stream, medians in ms per request (raw: the same pages):",
+              f"{'page':>8} {'kvxferd':>8} {'read':>6} {'NIXL post':>10} {'raw post':>9} {'copy':>8} {'around':>7} "
+              f"{'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw, busy':>10}",
+              f"{'':>8} {'client':>8} {'call':>6} {'daemon':>10} {'call':>9} {'raw/kvx':>8} {'copy':>7} "
+              f"{'daemon':>9} {'daemon':>9} {'READ':>7} {'nbr / raw':>10}"]
     for r in rows:
-        lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['read_call_ms']:>7.2f} "
-                     f"{r['daemon_rpc_to_post_ms']:>9.2f} {r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} "
-                     f"{r['raw_post_ms']:>9.2f} {r['raw_busy_over_raw']:>10.2f}")
+        lines.append(f"{r['page_kib']:>5}KiB {r['kvxferd_ms']:>8.2f} {r['read_call_ms']:>6.2f} "
+                     f"{r['daemon_post_ms']:>10.2f} {r['raw_post_ms']:>9.2f} {r['post_over_raw_post']:>8.2f} "
+                     f"{r['around_copy_ms']:>7.2f} {r['daemon_rpc_to_post_ms']:>9.2f} "
+                     f"{r['daemon_rpc_to_done_ms']:>9.2f} {r['raw_ms']:>7.2f} {r['raw_busy_over_raw']:>10.2f}")
     if any(r["small_read_whole_ms"] for r in rows):
         lines += ["", "another engine's one-block read, sent 1 ms into a large read (median ms):",
                   f"{'page':>8} {'whole':>8} {'lanes':>8}"]

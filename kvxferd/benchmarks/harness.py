@@ -83,8 +83,9 @@ class BenchEngine:
     """One engine rank registered with a daemon, its memory in this process."""
 
     def __init__(self, socket: str, engine_id: str, geo: Geometry, touch: bool = True, device: str = "cpu",
-                 doorbell: str = "") -> None:
-        """`doorbell`: "" none (the engine polls), "ring" a byte per batch, "records" the completions."""
+                 doorbell: str = "", keep_fds: bool = False) -> None:
+        """`doorbell`: "" none (the engine polls), "ring" a byte per batch, "records" the completions.
+        `keep_fds`: keep the memfds open for other processes to map (`memfds`)."""
         self.geo = geo
         fds: list[int] = []
         self.mmaps: list[mmap.mmap | VmmBuffer] = []
@@ -109,8 +110,11 @@ class BenchEngine:
                 self.views.append(view)
             self.side_channel = self.client.register(geo, shm_fds=fds, doorbell=bool(doorbell),
                                                      records=doorbell == "records")
-        for fd in fds:
-            os.close(fd)
+        if device == "cuda-vmm" or not keep_fds:
+            for fd in fds:
+                os.close(fd)
+            fds = []
+        self.fds = fds  # the memfds kept open while the engine lives: `memfds`
         self.pending: dict[str, Completion] = {}
         self.records = doorbell == "records"  # `wait` checks the pipe is still open each time
 
@@ -133,6 +137,12 @@ class BenchEngine:
                 raise TimeoutError(f"no completion for {request_id!r} within {timeout:g} s")
         return self.pending.pop(request_id)
 
+    def memfds(self) -> list[tuple[str, int]]:
+        """This engine's host memory as paths another process may open and map: the same pages."""
+        if len(self.fds) != len(self.geo.buffers):
+            raise ValueError("memfds(): the engine was made without keep_fds, or its memory is on a device")
+        return [(f"/proc/{os.getpid()}/fd/{fd}", size) for fd, size in zip(self.fds, self.geo.buffers, strict=True)]
+
     def close(self) -> None:
         try:
             self.client.unregister()
@@ -141,3 +151,6 @@ class BenchEngine:
             self.views.clear()
             for mm in self.mmaps:
                 mm.close()
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
