@@ -5,6 +5,7 @@ import os
 
 import msgspec
 import numpy as np
+import pytest
 
 from kvxferd.benchmarks import control, dataplane, framing, handshake, plan, step
 from kvxferd.memory import create_shm
@@ -120,6 +121,11 @@ def test_histogram_quantiles_come_from_vllms_metrics_text():
         'vllm:kvxferd_step_seconds_bucket{engine="0",le="5e-05"} 99.0',
         'vllm:kvxferd_step_seconds_bucket{engine="0",le="+Inf"} 100.0',
         'vllm:kvxferd_step_seconds_count{engine="0"} 100.0'])
-    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.5) == (2e-05, 100)
-    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.99) == (5e-05, 100)
-    assert histogram_quantile(text, "vllm:kvxferd_read_seconds", 0.5) == (0.0, 0)
+    # the 50th of 100 is the 40th of the 50 in (10, 20] us: 10 + 10 * 40 / 50, as Prometheus estimates
+    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.5) == (pytest.approx(1.8e-05), 1e-05, 2e-05, 100)
+    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 0.99) == (pytest.approx(5e-05), 2e-05, 5e-05, 100)
+    assert histogram_quantile(text, "vllm:kvxferd_step_seconds", 1.0) == (5e-05, 5e-05, float("inf"), 100)
+    assert histogram_quantile(text, "vllm:kvxferd_read_seconds", 0.5) == (0.0, 0.0, 0.0, 0)
+    # label sets (one per engine) are summed
+    two = text + "\n" + text.replace('engine="0"', 'engine="1"')
+    assert histogram_quantile(two, "vllm:kvxferd_step_seconds", 0.5) == (pytest.approx(1.8e-05), 1e-05, 2e-05, 200)

@@ -37,7 +37,9 @@ Per prompt length and concurrency:
 the ratio kvxferd / NixlConnector for each, and each P/D decode's ITL over the plain
 instance's (what a connector costs a decode step). And, from the kvxferd decode's own /metrics
 (`vllm:kvxferd_step_seconds`): what the connector cost each step that scheduled tokens while
-transfers were pending, measured inside vLLM.
+transfers were pending, measured inside vLLM. Waves leave few such steps (a wave's reads end
+before its decodes start), so after the rounds the kvxferd setup also serves requests that
+arrive 40 ms apart, each read landing while the ones before it decode (`staggered`).
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ def run_case(setup: Setup, length: int, concurrency: int, requests: int, rng: ra
     return samples, requests / (time.perf_counter() - t0)
 
 
+STAGGERED = 16  # requests of the staggered phase (the step cost's samples)
+STAGGER_S = 0.04  # between their arrivals: each read lands while the ones before decode
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -168,7 +174,7 @@ def pct(values: list[float], q: float) -> float:
 class Result:
     cases: dict[tuple[int, int], dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     idle: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    step: dict[str, float] = field(default_factory=dict)  # the kvxferd decode's step cost, from its /metrics
+    step: dict[str, Any] = field(default_factory=dict)  # the kvxferd decode's step cost, from its /metrics
 
     def add(self, setup: str, length: int, concurrency: int, samples: list[Sample], rps: float) -> None:
         c = self.cases.setdefault((length, concurrency), {}).setdefault(
@@ -240,9 +246,10 @@ def start_setups(wd: Path, model: Path, stack: ExitStack) -> dict[str, Setup]:
     return setups
 
 
-def histogram_quantile(text: str, name: str, q: float) -> tuple[float, int]:
-    """The upper bound of the bucket holding quantile `q` of a Prometheus histogram (its label
-    sets summed), and its count; (0, 0) when it has no observations."""
+def histogram_quantile(text: str, name: str, q: float) -> tuple[float, float, float, int]:
+    """Quantile `q` of a Prometheus histogram (its label sets summed), as Prometheus estimates it
+    (linearly within the bucket that holds it): (estimate, the bucket's lower and upper bounds,
+    the count of observations); all 0 when it has none."""
     buckets: dict[float, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "_bucket{"):
@@ -251,8 +258,36 @@ def histogram_quantile(text: str, name: str, q: float) -> tuple[float, int]:
             buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
     total = buckets.get(float("inf"), 0.0)
     if not total:
-        return 0.0, 0
-    return next(b for b in sorted(buckets) if buckets[b] >= q * total), int(total)
+        return 0.0, 0.0, 0.0, 0
+    lower, below = 0.0, 0.0
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            if bound == float("inf"):
+                return lower, lower, bound, int(total)
+            inside = buckets[bound] - below
+            return lower + (bound - lower) * (q * total - below) / inside, lower, bound, int(total)
+        lower, below = bound, buckets[bound]
+    raise AssertionError("unreachable: the +Inf bucket holds every observation")
+
+
+def staggered(setup: Setup, length: int, requests: int, gap_s: float, max_tokens: int,
+              rng: random.Random) -> None:
+    """Requests that arrive `gap_s` apart instead of in waves: each one's KV is pulled while the
+    ones before it decode, so the decode runs steps that schedule tokens with a read pending
+    (what `vllm:kvxferd_step_seconds` times; waves have few such steps)."""
+    prompts = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(requests)]
+
+    def one(prompt: list[int]) -> None:
+        _, extra = prefill(setup, prompt)
+        stream(setup.decode.url, prompt, max_tokens, **extra)
+
+    with ThreadPoolExecutor(requests) as pool:
+        pending = []
+        for prompt in prompts:
+            pending.append(pool.submit(one, prompt))
+            time.sleep(gap_s)
+        for f in pending:
+            f.result()
 
 
 def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int, max_tokens: int,
@@ -292,12 +327,16 @@ def run(rounds: int, lengths: list[int], concurrencies: list[int], requests: int
                         result.idle.setdefault(name, {}).setdefault(part, []).append(cpu)
                 finally:
                     setup.signal(signal.SIGSTOP)
-        decode = setups["kvxferd"].decode
-        setups["kvxferd"].signal(signal.SIGCONT)
-        text = get_text(decode.url + "/metrics")
+        kvxferd = setups["kvxferd"]
+        kvxferd.signal(signal.SIGCONT)
+        say(f"kvxferd: {STAGGERED} requests of {lengths[0]} tokens arriving {1e3 * STAGGER_S:g} ms apart")
+        staggered(kvxferd, lengths[0], STAGGERED, STAGGER_S, max_tokens, rng)
+        text = get_text(kvxferd.decode.url + "/metrics")
         for q in (0.5, 0.99):
-            bound, count = histogram_quantile(text, "vllm:kvxferd_step_seconds", q)
-            result.step[f"p{round(q * 100)}_us_at_most"] = bound * 1e6
+            estimate, lower, upper, count = histogram_quantile(text, "vllm:kvxferd_step_seconds", q)
+            key = f"p{round(q * 100)}"
+            result.step[f"{key}_us"] = estimate * 1e6
+            result.step[f"{key}_bucket_us"] = [lower * 1e6, upper * 1e6]
             result.step["steps"] = count
     return result
 
@@ -319,8 +358,9 @@ def render(out: dict[str, Any]) -> str:
     if step.get("steps"):
         lines.append("")
         lines.append(f"kvxferd's cost per decode step with transfers pending, inside vLLM ({step['steps']} steps): "
-                     f"p50 <= {step['p50_us_at_most']:g} us, p99 <= {step['p99_us_at_most']:g} us "
-                     "(histogram bucket bounds)")
+                     + ", ".join(f"{q} ~{step[q + '_us']:.1f} us (in ({step[q + '_bucket_us'][0]:g}, "
+                                 f"{step[q + '_bucket_us'][1]:g}])" for q in ("p50", "p99"))
+                     + ", estimated within the histogram's bucket as Prometheus does")
     lines.append("")
     lines.append("idle CPU, % of one core:")
     for setup, parts in out["idle_cpu_percent"].items():

@@ -77,7 +77,8 @@ class KvxferdPromMetrics(KVConnectorPromMetrics):
                                                 1.0, 2.5, 5.0])
         self.step_seconds = per_engine(self._histogram_cls, "vllm:kvxferd_step_seconds",
                                        "kvxferd's cost to an engine step with transfers pending, seconds",
-                                       buckets=[5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3])
+                                       buckets=[2e-6, 5e-6, 1e-5, 1.5e-5, 2e-5, 2.5e-5, 3e-5, 4e-5, 5e-5, 7.5e-5,
+                                                1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3])
         self.read_bytes = per_engine(self._histogram_cls, "vllm:kvxferd_read_bytes",
                                      "kvxferd reads received: bytes", buckets=[2 ** (12 + 2 * i) for i in range(11)])
         self.counters = {
