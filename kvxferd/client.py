@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import mmap
 import os
 import select
 import socket
@@ -25,7 +26,7 @@ import msgspec
 import numpy as np
 
 from . import protocol as P
-from .doorbell import DoorbellError, PipeReader, Records
+from .doorbell import COUNTER, DoorbellError, PipeReader, Records, map_counter
 from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
@@ -276,6 +277,9 @@ class EngineClient:
         self.doorbell: int | None = None  # doorbell pipe's read end (see doorbell.py)
         self._bell: select.poll | None = None  # watches `doorbell`
         self._pipe = PipeReader(READ_BYTES)  # reads the doorbell
+        self._counter: mmap.mmap | None = None  # the doorbell's counter page (protocol 9), read-only
+        self._seen = 0  # the counter when the pipe was last read
+        self._more = False  # the last read stopped at MAX_READS: the pipe may hold more
         self._records: Records | None = None  # parses it when it carries completions (protocol 7)
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
@@ -293,14 +297,18 @@ class EngineClient:
         """
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
         if doorbell and self.rpc.version >= 5:
-            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=records and self.rpc.version >= 7)
+            v = self.rpc.version
+            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=records and v >= 7,
+                                          doorbell_counter=records and v >= 9)
         reply = self.rpc.call(msg, P.Registered, sent)
-        bell = None
-        if reply.doorbell:  # the pipe's read end came with the reply
-            bell = self.rpc.reader.take_fds(1)[0]
+        bell = counter = None
+        if reply.doorbell:  # the pipe's read end came with the reply, and the counter page's memfd after it
+            bell, *page = self.rpc.reader.take_fds(1 + (reply.doorbell_records and reply.doorbell_counter))
             if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not a doorbell: poll every step instead
                 os.close(bell)
                 bell = None
+            elif page:
+                counter = map_counter(page[0])
         if bell is not None:
             os.set_blocking(bell, False)
             os.set_inheritable(bell, False)  # a child holding it would keep the daemon writing to no one
@@ -308,15 +316,19 @@ class EngineClient:
         self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         self._records = Records() if bell is not None and reply.doorbell_records else None
+        self._counter = counter if self._records is not None else None
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
     @classmethod
-    def of_doorbell(cls, fd: int) -> EngineClient:
-        """A records doorbell's read end alone, no daemon connection: `pushed()` and nothing else
-        (benchmarks and tests of the doorbell itself)."""
+    def of_doorbell(cls, fd: int, counter_fd: int | None = None) -> EngineClient:
+        """A records doorbell's read end (and its counter page's memfd, closed here) alone, no
+        daemon connection: `pushed()` and nothing else (benchmarks and tests of the doorbell)."""
         c = cls.__new__(cls)
         c.doorbell, c._bell, c._records, c._pipe = fd, None, Records(), PipeReader(READ_BYTES)
+        c._counter, c._seen, c._more = None, 0, False
+        if counter_fd is not None:
+            c._counter = map_counter(counter_fd)
         return c
 
     def attach(self, token: str) -> None:
@@ -334,22 +346,29 @@ class EngineClient:
         thread at a time (the reads share a buffer)."""
         if self.doorbell is None:
             return [], True
+        if self._counter is not None:  # protocol 9: nothing written since the last read, nothing to read
+            count = COUNTER.unpack_from(self._counter)[0]
+            if count == self._seen and not self._more and wait_s <= 0:
+                return [], False
+            self._seen = count  # read before the pipe: a write after it moves it again
         if wait_s > 0:  # sleep in poll(2), the GIL let go, until the pipe has something
             if self._bell is None:
                 self._bell = select.poll()
                 self._bell.register(self.doorbell, select.POLLIN)
             if not self._bell.poll(wait_s * 1000):
                 return [], False
-        chunks, ended = [], False
+        chunks, ended, self._more = [], False, True
         for _ in range(MAX_READS):  # one read, unless the pipe held more than one read's worth
             chunk = self._pipe.read(self.doorbell)
             if chunk is None:  # empty (no exception raised: the common case)
+                self._more = False
                 break
             if not chunk:  # the daemon closed its end: poll from now on
                 ended = True
                 break
             chunks.append(chunk)
             if len(chunk) < READ_BYTES:
+                self._more = False
                 break
         completions: list[P.Completion] = []
         poll = bool(chunks) and self._records is None
@@ -424,7 +443,10 @@ class EngineClient:
     def _close_doorbell(self) -> None:
         if self.doorbell is not None:
             os.close(self.doorbell)
-        self.doorbell = self._bell = self._records = None
+        if self._counter is not None:
+            self._counter.close()
+        self.doorbell = self._bell = self._records = self._counter = None
+        self._seen, self._more = 0, False
 
     def __enter__(self) -> EngineClient:
         return self

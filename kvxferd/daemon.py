@@ -347,17 +347,22 @@ class Daemon:
                                                   f"this daemon speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))}")
                 conn.protocol = version
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
-            case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe, doorbell_records=records):
+            case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe, doorbell_records=records,
+                            doorbell_counter=counter):
                 # A protocol 3-4 eventfd is taken and closed unrung: its open file is the engine's too,
                 # which could make a write to it block (doorbell.py's pipe is the daemon's alone).
                 fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + eventfd)
                 er = self.engines.register(msg, fds, conn)
                 version = conn.protocol or P.PROTOCOL_VERSION
                 records = pipe and records and version >= 7  # a reply to an older hello could not say so
+                counter = records and counter and version >= 9
                 if pipe:
-                    conn.send_with_next_reply(er.open_doorbell(records))
+                    fds = er.open_doorbell(records, counter)
+                    counter = len(fds) == 2
+                    for fd in fds:
+                        conn.send_with_next_reply(fd)
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
-                                    records).for_version(version)
+                                    records, counter).for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):

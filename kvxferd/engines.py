@@ -105,12 +105,12 @@ class EngineRank:
             self.doorbell.polled(left=bool(self.completions))
         return P.Completions(items)
 
-    def open_doorbell(self, records: bool) -> int:
-        """Make the rank's doorbell; returns the pipe's read end for the engine (the caller sends
-        and closes it)."""
+    def open_doorbell(self, records: bool, counter: bool = False) -> list[int]:
+        """Make the rank's doorbell; returns the fds for the engine, the pipe's read end and the
+        counter page's memfd when asked for and made (the caller sends and closes them)."""
         self.close_doorbell()
-        self.doorbell, read_end = Doorbell.make(records, f"engine {self.engine_id} rank {self.tp_rank}")
-        return read_end
+        self.doorbell, fds = Doorbell.make(records, f"engine {self.engine_id} rank {self.tp_rank}", counter)
+        return fds
 
     def close_doorbell(self) -> None:
         if self.doorbell is not None:

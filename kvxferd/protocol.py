@@ -20,8 +20,8 @@ from .plan.geometry import Geometry
 # allocated: the prefill's holds are kept alive meanwhile), 7 completions written into the doorbell
 # pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`); older
 # clients are served
-PROTOCOL_VERSION = 8
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+PROTOCOL_VERSION = 9
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -134,6 +134,7 @@ class Register(Msg, tag="register", omit_defaults=True):  # fields at their defa
     doorbell: bool = False
     doorbell_pipe: bool = False  # protocol 5: the daemon makes the doorbell, sends its read end back
     doorbell_records: bool = False  # protocol 7: the doorbell carries the completions (doorbell.py)
+    doorbell_counter: bool = False  # protocol 9: with records, a counter page too (doorbell.py)
 
 
 class Unregister(Msg, tag="unregister"):
@@ -237,11 +238,13 @@ class Registered(Msg, tag="registered", omit_defaults=True):
     # for them to a decode reading them.
     max_lease_s: float = 0.0
     doorbell_records: bool = False  # protocol 7: the doorbell carries completion records (doorbell.py)
+    doorbell_counter: bool = False  # protocol 9: the counter page's memfd came after the pipe's read end
 
     def for_version(self, version: int) -> Registered:
         """This reply as a client of `version` can decode it: fields it predates left at their
         default (and so not sent)."""
-        since = {"doorbell": (3, False), "token": (3, ""), "max_lease_s": (6, 0.0), "doorbell_records": (7, False)}
+        since = {"doorbell": (3, False), "token": (3, ""), "max_lease_s": (6, 0.0), "doorbell_records": (7, False),
+                 "doorbell_counter": (9, False)}
         older = {name: default for name, (v, default) in since.items() if version < v}
         return msgspec.structs.replace(self, **older) if older else self
 

@@ -270,7 +270,7 @@ def test_what_is_not_a_record_is_refused_by_name(data, why):
 def test_a_marker_that_does_not_fit_closes_the_daemon_s_end():
     """The budget keeps room for the marker; were the pipe full anyway, the engine must still
     learn to poll: the daemon's end closes, and the engine reads end-of-file."""
-    bell, read_end = Doorbell.make(records=True)
+    bell, (read_end,) = Doorbell.make(records=True)
     try:
         while True:
             try:
@@ -321,17 +321,23 @@ def test_a_reply_carries_only_the_fields_the_client_s_version_knows(daemon, shm,
     geo, fd = shm
     for version, fields in ((2, {"side_channel", "agent"}),
                             (6, {"side_channel", "agent", "doorbell", "token", "max_lease_s"}),
-                            (7, {"side_channel", "agent", "doorbell", "token", "max_lease_s", "doorbell_records"})):
+                            (7, {"side_channel", "agent", "doorbell", "token", "max_lease_s", "doorbell_records"}),
+                            (9, {"side_channel", "agent", "doorbell", "token", "max_lease_s", "doorbell_records",
+                                 "doorbell_counter"})):
         monkeypatch.setattr(P, "PROTOCOL_VERSION", version)  # the hello this client sends
         with EngineClient(daemon.socket, f"v{version}", 0, 1) as c:
             msg, sent = c.requests.register(geo, shm_fds=[fd])
-            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=True)
+            msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=True, doorbell_counter=True)
             c.rpc.call(msg, P.Registered, sent)
             assert set(msgspec.msgpack.decode(bodies[-1])) - {"op"} == fields
             bells = list(c.rpc.reader.take_fds(len(c.rpc.reader.fds)))
             if version < 5:
                 continue
-            [bell] = bells
+            if version >= 9:  # the counter page's memfd after the pipe
+                bell, page = bells
+                os.close(page)
+            else:
+                [bell] = bells
             c.read("r", NOBODY, 8, [[3]], [[3]], DEADLINE_S)
             assert select.select([bell], [], [], 10)[0]
             first = os.read(bell, 4096)
@@ -450,3 +456,100 @@ def test_a_kernel_without_nowait_pipe_reads_falls_back_to_plain_reads(monkeypatc
         os.close(read_end)
         if write_end >= 0:
             os.close(write_end)
+
+
+# --- the counter page (protocol 9) -------------------------------------------------------------
+
+def test_a_step_whose_counter_has_not_moved_does_not_read_the_pipe():
+    """What is in the pipe is read only once the counter says the daemon wrote: bytes that came
+    without a bump (here, what is not even a record) stay unread until it moves."""
+    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
+    engine = EngineClient.of_doorbell(read_end, page_fd)
+    try:
+        os.write(bell.fd, struct.pack("<I", 1 << 20))  # unreadable as a record, and not counted
+        assert engine.pushed() == ([], False)  # not read: reading it would have raised
+        bell._bump()
+        with pytest.raises(ConnectionError, match="announced"):
+            engine.pushed()
+    finally:
+        bell.close()
+        engine._close_doorbell()
+
+
+def test_the_counter_moves_with_every_write_and_at_close_so_no_completion_waits():
+    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
+    engine = EngineClient.of_doorbell(read_end, page_fd)
+    try:
+        done = [P.Completion(f"r{i}", "received") for i in range(3)]
+        for c in done:
+            assert bell.push(c)
+        assert bell.writes == 3
+        assert engine.pushed() == (done, False)
+        assert engine.pushed() == ([], False)
+        bell.tell()  # the poll marker is a write too
+        assert engine.pushed() == ([], True)
+        bell.close()  # the engine must learn to poll: the close bumps it once more
+        assert engine.pushed() == ([], True) and engine.doorbell is None
+    finally:
+        bell.close()
+        engine._close_doorbell()
+
+
+def test_the_engine_can_neither_shrink_nor_write_the_counter_page():
+    """The daemon writes its mapping of the page after each record: an engine that could cut
+    the page would kill it with SIGBUS, one that could write it would only fool itself, and the
+    daemon never reads it (its count is its own)."""
+    import mmap
+
+    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(page_fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(page_fd, 1 << 20)
+        with pytest.raises(PermissionError):
+            mmap.mmap(page_fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        read_only = mmap.mmap(page_fd, 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        assert bell.push(P.Completion("r", "received"))
+        assert struct.unpack("<Q", read_only[:8]) == (1,)
+        read_only.close()
+    finally:
+        bell.close()
+        os.close(read_end)
+        os.close(page_fd)
+
+
+def test_a_counter_page_that_could_shrink_is_not_mapped_and_the_pipe_is_read_every_step():
+    """The engine's side of the same promise: a page whoever sent it could still cut (not
+    sealed), or what is not a page at all, is closed, not mapped."""
+    from kvxferd.doorbell import map_counter
+
+    unsealed = os.memfd_create("x", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 4096)
+    r, w = os.pipe()
+    tiny = os.memfd_create("y", os.MFD_ALLOW_SEALING)
+    fcntl.fcntl(tiny, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    try:
+        for fd in (unsealed, r, tiny):
+            assert map_counter(fd) is None
+            with pytest.raises(OSError):
+                os.fstat(fd)  # closed
+    finally:
+        os.close(w)
+
+
+def test_a_protocol_9_engine_takes_a_real_daemon_s_completion_past_its_counter(daemon, shm):
+    geo, fd = shm
+    with EngineClient(daemon.socket, "engine", 0, 1) as c:
+        c.register(geo, shm_fds=[fd], doorbell=True, records=True)
+        assert c._counter is not None and c.doorbell is not None
+        assert c.pushed() == ([], False)
+        c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], DEADLINE_S)
+        got: list[P.Completion] = []
+        end = time.monotonic() + 10
+        while not got and time.monotonic() < end:
+            got, poll = c.pushed()  # never waits: each call is a step's check
+            assert not poll
+            time.sleep(0.01)
+        assert [(x.request_id, x.status) for x in got] == [("r1", "failed")]
+        assert c.pushed() == ([], False)

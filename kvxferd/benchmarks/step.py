@@ -178,22 +178,36 @@ def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> l
 
 
 def _floor(steps: int) -> list[Row]:
-    bell, read_end = Doorbell.make(records=True)
-    engine = EngineClient.of_doorbell(read_end)
+    """In one process: a record written and read back, and a check that finds nothing, through
+    the pipe alone (protocol 7) and past the counter page (protocol 9)."""
+    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
+    engine = EngineClient.of_doorbell(read_end, page_fd)
+    plain_bell, (plain_end,) = Doorbell.make(records=True)
+    plain = EngineClient.of_doorbell(plain_end)
     done = P.Completion("a-request-id-of-typical-length-0123456789", "received", [], "", 1 << 20, 0.0003)
-    write, read = [], []
+    write, read, idle_pipe, idle_counter = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         bell.push(done)
         t1 = time.perf_counter()
         got, _ = engine.pushed()
-        read.append(time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        nothing, _ = engine.pushed()
+        t3 = time.perf_counter()
+        plain.pushed()
+        idle_pipe.append(time.perf_counter() - t3)
+        idle_counter.append(t3 - t2)
+        read.append(t2 - t1)
         write.append(t1 - t0)
-        assert got == [done]
-    bell.close()
-    engine._close_doorbell()
+        assert got == [done] and nothing == []
+    for b in (bell, plain_bell):
+        b.close()
+    for e in (engine, plain):
+        e._close_doorbell()
     return [_row("daemon: Doorbell.push()", "in one process (the floor)", write, steps),
-            _row("engine: EngineClient.pushed()", "in one process (the floor)", read, steps)]
+            _row("engine: EngineClient.pushed()", "in one process (the floor)", read, steps),
+            _row("nothing new: the pipe read (protocol 7)", "in one process (the floor)", idle_pipe, steps),
+            _row("nothing new: the counter (protocol 9)", "in one process (the floor)", idle_counter, steps)]
 
 
 def run(steps: int = 2000, pending: int = 16) -> list[Row]:
