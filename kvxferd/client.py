@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -40,6 +41,11 @@ BlockLists = Iterable[Iterable[int]]
 R = TypeVar("R", bound=P.Msg)
 MAX_READS = 16  # per pushed() call, of READ_BYTES each: a daemon that keeps the pipe full cannot hold a step
 READ_BYTES = 1 << 16
+# With a counter page, a step reads the pipe at least this often whatever the count says: a
+# daemon that died without a last bump is found by the end-of-file (and a bump whose store the
+# engine saw before the bytes, on a CPU that orders loads and stores more loosely than x86, waits
+# no longer than this).
+FORCED_READ_S = 0.1
 
 
 class DaemonError(RuntimeError):
@@ -116,6 +122,7 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+        self.reader.close()  # fds a reply brought that nobody took
 
     def __enter__(self) -> Client:
         return self
@@ -280,6 +287,7 @@ class EngineClient:
         self._counter: mmap.mmap | None = None  # the doorbell's counter page (protocol 9), read-only
         self._seen = 0  # the counter when the pipe was last read
         self._more = False  # the last read stopped at MAX_READS: the pipe may hold more
+        self._read_at = 0.0  # monotonic: the pipe's last read
         self._records: Records | None = None  # parses it when it carries completions (protocol 7)
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
@@ -302,13 +310,13 @@ class EngineClient:
                                           doorbell_counter=records and v >= 9)
         reply = self.rpc.call(msg, P.Registered, sent)
         bell = counter = None
-        if reply.doorbell:  # the pipe's read end came with the reply, and the counter page's memfd after it
-            bell, *page = self.rpc.reader.take_fds(1 + (reply.doorbell_records and reply.doorbell_counter))
+        if reply.doorbell and self.rpc.reader.fds:  # the pipe's read end came with the reply
+            bell = self.rpc.reader.take_fds(1)[0]
             if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not a doorbell: poll every step instead
                 os.close(bell)
                 bell = None
-            elif page:
-                counter = map_counter(page[0])
+            elif reply.doorbell_records and reply.doorbell_counter and self.rpc.reader.fds:
+                counter = map_counter(self.rpc.reader.take_fds(1)[0])  # the page's memfd came after it
         if bell is not None:
             os.set_blocking(bell, False)
             os.set_inheritable(bell, False)  # a child holding it would keep the daemon writing to no one
@@ -326,7 +334,7 @@ class EngineClient:
         daemon connection: `pushed()` and nothing else (benchmarks and tests of the doorbell)."""
         c = cls.__new__(cls)
         c.doorbell, c._bell, c._records, c._pipe = fd, None, Records(), PipeReader(READ_BYTES)
-        c._counter, c._seen, c._more = None, 0, False
+        c._counter, c._seen, c._more, c._read_at = None, 0, False, 0.0
         if counter_fd is not None:
             c._counter = map_counter(counter_fd)
         return c
@@ -337,20 +345,27 @@ class EngineClient:
         second connection of the registering process attaches too: a pid is no identity."""
         self.rpc.call(self.requests.attach(token), P.Ok)
 
-    def pushed(self, wait_s: float = 0.0) -> tuple[list[P.Completion], bool]:
+    def pushed(self, wait_s: float = 0.0, force: bool = False) -> tuple[list[P.Completion], bool]:
         """What the doorbell brought since the last call, without a round trip: the completions
         it carried (protocol 7), and whether a poll may find more (a ring, the poll marker, or no
         doorbell: then every poll may). With `wait_s`, waits that long for the pipe first (the
         engine's process sleeps meanwhile). A pipe that carries what is not a record raises
         `DoorbellError`, a `ConnectionError`: treat it as the daemon's connection lost. One
-        thread at a time (the reads share a buffer)."""
+        thread at a time (the reads share a buffer).
+
+        With a counter page (protocol 9) a call reads the pipe only when the counter moved, and at
+        least every FORCED_READ_S, or with `force` (a last drain): a daemon killed before it could
+        bump the count closed its end all the same, and the read's end-of-file says so."""
         if self.doorbell is None:
             return [], True
         if self._counter is not None:  # protocol 9: nothing written since the last read, nothing to read
             count = COUNTER.unpack_from(self._counter)[0]
-            if count == self._seen and not self._more and wait_s <= 0:
-                return [], False
+            if count == self._seen and not (self._more or force or wait_s > 0):
+                now = time.monotonic()
+                if now < self._read_at + FORCED_READ_S:
+                    return [], False
             self._seen = count  # read before the pipe: a write after it moves it again
+            self._read_at = time.monotonic()
         if wait_s > 0:  # sleep in poll(2), the GIL let go, until the pipe has something
             if self._bell is None:
                 self._bell = select.poll()

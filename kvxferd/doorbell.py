@@ -232,13 +232,13 @@ def map_counter(fd: int) -> mmap.mmap | None:
     the pipe every step) when `fd` is not a page sealed against shrinking: one that could shrink
     would let whoever holds it kill the engine with SIGBUS at its next check."""
     try:
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:  # first: then its size can only grow
+            return None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size < COUNTER.size:
             return None
-        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-            return None
         return mmap.mmap(fd, COUNTER.size, mmap.MAP_SHARED, mmap.PROT_READ)
-    except OSError:  # not a memfd (EINVAL from F_GET_SEALS), or mmap refused
+    except (OSError, ValueError):  # not a memfd (EINVAL from F_GET_SEALS), or mmap refused
         return None
     finally:
         os.close(fd)

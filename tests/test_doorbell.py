@@ -18,7 +18,15 @@ import pytest
 
 from kvxferd import protocol as P
 from kvxferd.client import EngineClient
-from kvxferd.doorbell import POLL_MARKER, Doorbell, DoorbellError, PipeReader, Records, queued_bytes
+from kvxferd.doorbell import (
+    F_SEAL_FUTURE_WRITE,
+    POLL_MARKER,
+    Doorbell,
+    DoorbellError,
+    PipeReader,
+    Records,
+    queued_bytes,
+)
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
@@ -460,12 +468,19 @@ def test_a_kernel_without_nowait_pipe_reads_falls_back_to_plain_reads(monkeypatc
 
 # --- the counter page (protocol 9) -------------------------------------------------------------
 
+def HEADER_AND(c: P.Completion) -> bytes:
+    """A record as the daemon writes it, without its bump."""
+    body = msgspec.msgpack.encode(c)
+    return struct.pack("<I", len(body)) + body
+
+
 def test_a_step_whose_counter_has_not_moved_does_not_read_the_pipe():
     """What is in the pipe is read only once the counter says the daemon wrote: bytes that came
     without a bump (here, what is not even a record) stay unread until it moves."""
     bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
     engine = EngineClient.of_doorbell(read_end, page_fd)
     try:
+        assert engine.pushed() == ([], False)  # the first check reads: the count is seen
         os.write(bell.fd, struct.pack("<I", 1 << 20))  # unreadable as a record, and not counted
         assert engine.pushed() == ([], False)  # not read: reading it would have raised
         bell._bump()
@@ -495,6 +510,36 @@ def test_the_counter_moves_with_every_write_and_at_close_so_no_completion_waits(
         engine._close_doorbell()
 
 
+def test_a_daemon_killed_before_its_last_bump_is_still_found_by_end_of_file(monkeypatch):
+    """A daemon killed (no `close`, so no last bump) has its end closed by the kernel all the
+    same: the engine reads the pipe at least every FORCED_READ_S whatever the count, and at
+    once when forced (the vLLM worker's last drain)."""
+    import kvxferd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "FORCED_READ_S", 0.2)
+    for forced in (False, True):
+        bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
+        engine = EngineClient.of_doorbell(read_end, page_fd)
+        try:
+            assert bell.push(P.Completion("written", "received"))
+            assert engine.pushed() == ([P.Completion("written", "received")], False)
+            os.write(bell.fd, HEADER_AND(P.Completion("unbumped", "received")))
+            os.close(bell.fd)  # killed: the kernel closes its end, nothing bumps the count again
+            bell.fd = -1
+            if forced:
+                got, poll = engine.pushed(force=True)
+            else:
+                assert engine.pushed() == ([], False)  # the count has not moved: skipped
+                time.sleep(0.25)
+                got, poll = engine.pushed()
+            assert [c.request_id for c in got] == ["unbumped"] and not poll  # every record written
+            time.sleep(0.25)
+            assert engine.pushed() == ([], True) and engine.doorbell is None  # end-of-file: poll from now on
+        finally:
+            bell.close()
+            engine._close_doorbell()
+
+
 def test_the_engine_can_neither_shrink_nor_write_the_counter_page():
     """The daemon writes its mapping of the page after each record: an engine that could cut
     the page would kill it with SIGBUS, one that could write it would only fool itself, and the
@@ -507,8 +552,9 @@ def test_the_engine_can_neither_shrink_nor_write_the_counter_page():
             os.ftruncate(page_fd, 0)
         with pytest.raises(PermissionError):
             os.ftruncate(page_fd, 1 << 20)
-        with pytest.raises(PermissionError):
-            mmap.mmap(page_fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if fcntl.fcntl(page_fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:  # Linux 5.1 and later
+            with pytest.raises(PermissionError):
+                mmap.mmap(page_fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         read_only = mmap.mmap(page_fd, 8, mmap.MAP_SHARED, mmap.PROT_READ)
         assert bell.push(P.Completion("r", "received"))
         assert struct.unpack("<Q", read_only[:8]) == (1,)
@@ -553,3 +599,97 @@ def test_a_protocol_9_engine_takes_a_real_daemon_s_completion_past_its_counter(d
             time.sleep(0.01)
         assert [(x.request_id, x.status) for x in got] == [("r1", "failed")]
         assert c.pushed() == ([], False)
+
+
+def _open_fds() -> set[tuple[int, str]]:
+    """This process's open fds and what each is (the listing's own fd left out)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except FileNotFoundError:  # the listing's own directory, closed since
+            pass
+    return out
+
+
+def _register_with(tmp_path: Path, reply: P.Registered, fds: list[int]) -> tuple[bool, bool]:
+    """Register with a fake daemon that answers `reply` with `fds`: (doorbell kept, counter
+    mapped). Asserts that no fd the reply brought is left open once the client is closed."""
+    import socket
+    import threading
+
+    from kvxferd import rpc
+
+    path = str(tmp_path / "fake.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        reader = rpc.FrameReader()
+        answered = 0
+        while answered < 2:
+            for _ in reader.feed(conn.recv(1 << 16)):
+                body = rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake") if answered == 0 else reply))
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if answered else []
+                conn.sendmsg([body], anc)
+                answered += 1
+        conn.recv(1)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        before = _open_fds()
+        with EngineClient(path, "e", 0, 1) as c:
+            c.register(geo, [fd], doorbell=True, records=True)
+            kept = c.doorbell is not None, c._counter is not None
+        thread.join(5)
+        assert _open_fds() <= before  # nothing the reply brought is left open
+        return kept
+    finally:
+        os.close(fd)
+        mm.close()
+        server.close()
+
+
+def test_a_counter_promised_but_not_sent_leaves_the_pipe_alone_and_nothing_open(tmp_path):
+    r, w = os.pipe()
+    try:
+        reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
+        assert _register_with(tmp_path, reply, [r]) == (True, False)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_counter_page_that_could_shrink_is_closed_and_the_pipe_read_every_step(tmp_path):
+    r, w = os.pipe()
+    page = os.memfd_create("unsealed")
+    os.ftruncate(page, 4096)
+    try:
+        reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
+        assert _register_with(tmp_path, reply, [r, page]) == (True, False)
+    finally:
+        for x in (r, w, page):
+            os.close(x)
+
+
+def test_a_doorbell_that_is_not_a_pipe_closes_the_page_sent_with_it(tmp_path):
+    import socket
+
+    from kvxferd.doorbell import counter_page
+
+    decoy, kept = socket.socketpair()
+    sealed_page, mapping = counter_page()  # a real page, after what is not a pipe
+    try:
+        reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
+        assert _register_with(tmp_path, reply, [decoy.fileno(), sealed_page]) == (False, False)
+    finally:
+        decoy.close()
+        kept.close()
+        os.close(sealed_page)
+        mapping.close()

@@ -180,14 +180,29 @@ class RawPair:
                                                           device, agents, reader_memory), daemon=True)
         self.target = ctx.Process(target=_raw_side, args=("target", b, a, self.stop_target, None, page, n,
                                                           device, 1, target_memory), daemon=True)
-        self.reader.start()
-        self.target.start()
-        self.reads(2)  # the first READs bring the connection up
+        try:
+            self.reader.start()
+            self.target.start()
+            self.reads(2)  # the first READs bring the connection up
+        except BaseException:
+            self.close()
+            raise
 
-    def reads(self, count: int) -> tuple[list[float], list[float]]:
-        """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone)."""
+    def reads(self, count: int, timeout_s: float = 300.0) -> tuple[list[float], list[float]]:
+        """Per READ: (seconds from post to DONE, seconds in the (slowest) post call alone).
+        RuntimeError when a side died or nothing came back within `timeout_s`."""
+        import queue
+
         self.commands.put(count)
-        return self.results.get(timeout=300)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.name for p in (self.reader, self.target) if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"raw NIXL baseline: {', '.join(dead)} exited") from None
+        raise RuntimeError(f"raw NIXL baseline: no READs back within {timeout_s:g} s")
 
     def close(self) -> None:
         self.commands.put(None)
@@ -268,11 +283,17 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
     p = BenchEngine(sockets[0], prefill_id, build(shape, 1, 0), device=device, keep_fds=keep)
     d = BenchEngine(sockets[1], f"d{page}-{engines}", build(shape, 1, 0), device=device, doorbell="records",
                     keep_fds=keep)
-    raw: RawPair | None = None
+
+    def raw_reads() -> tuple[list[float], list[float]]:
+        """Its processes live only around their READs: the target's progress would weigh on kvxferd's."""
+        pair = RawPair(page, n, device, memory=(p.memfds(), d.memfds()))
+        try:
+            return pair.reads(repeats)
+        finally:
+            pair.close()
+
     try:
-        if raw_first is not None:
-            raw = RawPair(page, n, device, memory=(p.memfds(), d.memfds()))
-        raw_times, raw_posts = raw.reads(repeats) if raw is not None and raw_first else ([], [])
+        raw_times, raw_posts = raw_reads() if raw_first else ([], [])
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
         times: list[float] = []
@@ -289,12 +310,10 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
             if i >= 2:  # the first reads include the handshake and descriptor preparation
                 times.append(elapsed)
                 acks.append(ack)
-        if raw is not None and not raw_first:
-            raw_times, raw_posts = raw.reads(repeats)
+        if raw_first is False:
+            raw_times, raw_posts = raw_reads()
         return Stream(times, acks, raw_times, raw_posts)
     finally:
-        if raw is not None:
-            raw.close()
         d.close()
         p.close()
 
@@ -339,14 +358,14 @@ LANES = 2  # the lanes pair: a 64 MiB read split across 2 posting lanes
 
 
 def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 5,
-        device: str = "cpu", lane_split_bytes: int | None = None) -> list[dict[str, float]]:
+        device: str = "cpu", lane_split_bytes: int | None = None) -> list[dict[str, Any]]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on all alike. Per page size, fresh daemons: one pair posting every read whole
     (lanes off), one pair with 2 posting lanes (a 64 MiB read split across them); the
     whole pair's own latency figures (RPC -> READ posted, RPC -> completion, NIXL's post call)
     cover that page size alone. On the CPU, parity is judged against raw NIXL reading the same
     engines' pages, before kvxferd in odd rounds and after it in even ones."""
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     nbytes = total_mib << 20
     same_pages = device == "cpu"  # a VMM allocation has no fd a raw process could map here
     for page in page_sizes:
@@ -398,6 +417,7 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
         same_post = median(same_posts or raw_posts)
         m1, m2 = memcpy(nbytes, repeats, device), memcpy(nbytes, repeats, device, threads=2)
         rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib, "rounds": rounds,
+                     "parity_baseline": "same pages" if same else "own pages",
                      "kvxferd_gb_s": nbytes / k / 1e9, "lanes_gb_s": nbytes / sk / 1e9,
                      "raw_same_pages_gb_s": nbytes / rs / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
                      "raw_nixl_2_agents_gb_s": nbytes / r2 / 1e9,
@@ -418,7 +438,7 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
     return rows
 
 
-def render(rows: list[dict[str, float]]) -> str:
+def render(rows: list[dict[str, Any]]) -> str:
     """Three tables: throughput and ratios; where one stream's time goes; a small read's wait."""
     lines = [f"{'page':>8} {'descs':>6} {'kvxferd':>8} {'raw NIXL':>9} {'kvxferd/':>9} {'raw NIXL':>9} {'lanes':>7} "
              f"{'lanes/':>8} {'raw NIXL':>9} {'memcpy':>7} {'memcpy':>7} {'lanes/':>8}",
@@ -429,6 +449,9 @@ def render(rows: list[dict[str, float]]) -> str:
                      f"{r['raw_same_pages_gb_s']:>9.2f} {r['kvxferd_over_raw']:>9.2f} {r['raw_nixl_gb_s']:>9.2f} "
                      f"{r['lanes_gb_s']:>7.2f} {r['lanes_over_raw']:>8.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} "
                      f"{r['memcpy_gb_s']:>7.2f} {r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
+    if any(r["parity_baseline"] != "same pages" for r in rows):
+        lines.append("(no raw process can map this device's memory: 'same pgs' and 'kvxferd/raw' are raw NIXL "
+                     "between pages of its own)")
     lines += ["", "one stream, medians in ms per request (raw: the same pages):",
               f"{'page':>8} {'kvxferd':>8} {'read':>6} {'NIXL post':>10} {'raw post':>9} {'copy':>8} {'around':>7} "
               f"{'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw, busy':>10}",

@@ -157,7 +157,7 @@ class WorkerSide:
         """The daemon went away: reads in flight are lost, holds wait for the next daemon."""
         if self.client is not None:
             try:  # what the daemon wrote to the doorbell before it went is still true
-                self._take(self.client.pushed()[0])
+                self._take(self.client.pushed(force=True)[0])
             except LOST:
                 pass  # an unreadable doorbell: what it held is lost with the connection
         log.warning("kvxferd: connection to the daemon lost (%s); %d reads fail, %d holds kept", exc,
