@@ -69,7 +69,9 @@ def test_bench_step_runs():
         ("one read finishes", "doorbell ring + poll (protocol 6, baseline)"),
         ("one read finishes", "worker.results() (ships: records)"),
         ("in one process (the floor)", "daemon: Doorbell.push()"),
-        ("in one process (the floor)", "engine: EngineClient.pushed()")]
+        ("in one process (the floor)", "engine: EngineClient.pushed()"),
+        ("in one process (the floor)", "nothing new: the pipe read (protocol 7)"),
+        ("in one process (the floor)", "nothing new: the counter (protocol 9)")]
     assert all(r["p50_us"] > 0 for r in rows) and step.render(rows).count("worker / baseline") == 3
     assert rows[4]["found"] > 0.5 and rows[5]["found"] > 0.5  # the reads did finish within their steps
 
