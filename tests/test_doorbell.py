@@ -474,9 +474,12 @@ def HEADER_AND(c: P.Completion) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def test_a_step_whose_counter_has_not_moved_does_not_read_the_pipe():
+def test_a_step_whose_counter_has_not_moved_does_not_read_the_pipe(monkeypatch):
     """What is in the pipe is read only once the counter says the daemon wrote: bytes that came
     without a bump (here, what is not even a record) stay unread until it moves."""
+    import kvxferd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "_clock", lambda: 0.0)  # no forced read: the clock stands still
     bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
     engine = EngineClient.of_doorbell(read_end, page_fd)
     try:
@@ -516,7 +519,8 @@ def test_a_daemon_killed_before_its_last_bump_is_still_found_by_end_of_file(monk
     once when forced (the vLLM worker's last drain)."""
     import kvxferd.client as client_mod
 
-    monkeypatch.setattr(client_mod, "FORCED_READ_S", 0.2)
+    now = [1000.0]  # a clock of the test's own: the forced read comes when it says, not when a busy CI does
+    monkeypatch.setattr(client_mod, "_clock", lambda: now[0])
     for forced in (False, True):
         bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
         engine = EngineClient.of_doorbell(read_end, page_fd)
@@ -529,11 +533,13 @@ def test_a_daemon_killed_before_its_last_bump_is_still_found_by_end_of_file(monk
             if forced:
                 got, poll = engine.pushed(force=True)
             else:
+                now[0] += client_mod.FORCED_READ_S / 2
                 assert engine.pushed() == ([], False)  # the count has not moved: skipped
-                time.sleep(0.25)
+                now[0] += client_mod.FORCED_READ_S
                 got, poll = engine.pushed()
             assert [c.request_id for c in got] == ["unbumped"] and not poll  # every record written
-            time.sleep(0.25)
+            assert engine.pushed() == ([], False)  # the end-of-file behind them waits for the next forced read
+            now[0] += client_mod.FORCED_READ_S
             assert engine.pushed() == ([], True) and engine.doorbell is None  # end-of-file: poll from now on
         finally:
             bell.close()

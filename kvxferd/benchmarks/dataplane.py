@@ -208,6 +208,8 @@ class RawPair:
         self.commands.put(None)
         self.stop_target.put(None)
         for p in (self.reader, self.target):
+            if p.pid is None:  # never started (a failed start): nothing to end
+                continue
             p.join(10)
             if p.is_alive():
                 p.kill()
@@ -449,10 +451,11 @@ def render(rows: list[dict[str, Any]]) -> str:
                      f"{r['raw_same_pages_gb_s']:>9.2f} {r['kvxferd_over_raw']:>9.2f} {r['raw_nixl_gb_s']:>9.2f} "
                      f"{r['lanes_gb_s']:>7.2f} {r['lanes_over_raw']:>8.2f} {r['raw_nixl_2_agents_gb_s']:>9.2f} "
                      f"{r['memcpy_gb_s']:>7.2f} {r['memcpy2_gb_s']:>7.2f} {r['lanes_of_memcpy2']:>8.2f}")
-    if any(r["parity_baseline"] != "same pages" for r in rows):
-        lines.append("(no raw process can map this device's memory: 'same pgs' and 'kvxferd/raw' are raw NIXL "
-                     "between pages of its own)")
-    lines += ["", "one stream, medians in ms per request (raw: the same pages):",
+    own = any(r["parity_baseline"] != "same pages" for r in rows)
+    if own:
+        lines.append("(no raw process can map this device's memory: 'same pgs' and 'kvxferd/raw' here, and every "
+                     "raw column below, are raw NIXL between pages of its own)")
+    lines += ["", f"one stream, medians in ms per request (raw: {'its own' if own else 'the same'} pages):",
               f"{'page':>8} {'kvxferd':>8} {'read':>6} {'NIXL post':>10} {'raw post':>9} {'copy':>8} {'around':>7} "
               f"{'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw, busy':>10}",
               f"{'':>8} {'client':>8} {'call':>6} {'daemon':>10} {'call':>9} {'raw/kvx':>8} {'copy':>7} "
