@@ -325,7 +325,7 @@ class EngineClient:
         self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         self._records = Records() if bell is not None and reply.doorbell_records else None
-        self._counter = counter if self._records is not None else None
+        self._counter = counter
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
@@ -334,10 +334,10 @@ class EngineClient:
         """A records doorbell's read end (and its counter page's memfd, closed here) alone, no
         daemon connection: `pushed()` and nothing else (benchmarks and tests of the doorbell)."""
         c = cls.__new__(cls)
-        c.doorbell, c._bell, c._records, c._pipe = fd, None, Records(), PipeReader(READ_BYTES)
-        c._counter, c._seen, c._more, c._read_at = None, 0, False, 0.0
-        if counter_fd is not None:
-            c._counter = map_counter(counter_fd)
+        c.doorbell = c._counter = None
+        c._close_doorbell()  # the doorbell's fields, as before a registration
+        c.doorbell, c._records, c._pipe = fd, Records(), PipeReader(READ_BYTES)
+        c._counter = None if counter_fd is None else map_counter(counter_fd)
         return c
 
     def attach(self, token: str) -> None:
@@ -461,7 +461,7 @@ class EngineClient:
         if self._counter is not None:
             self._counter.close()
         self.doorbell = self._bell = self._records = self._counter = None
-        self._seen, self._more = 0, False
+        self._seen, self._more, self._read_at = 0, False, 0.0
 
     def __enter__(self) -> EngineClient:
         return self

@@ -357,10 +357,9 @@ class Daemon:
                 records = pipe and records and version >= 7  # a reply to an older hello could not say so
                 counter = records and counter and version >= 9
                 if pipe:
-                    fds = er.open_doorbell(records, counter)
-                    counter = len(fds) == 2
-                    for fd in fds:
+                    for fd in er.open_doorbell(records, counter):
                         conn.send_with_next_reply(fd)
+                    counter = er.doorbell is not None and er.doorbell.counter is not None  # a page was made
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
                                     records, counter).for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):

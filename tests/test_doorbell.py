@@ -384,9 +384,22 @@ def test_a_read_of_the_doorbell_never_waits_even_on_a_blocking_pipe():
             os.close(write_end)
 
 
-def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path):
-    """A daemon (or whatever answers on its socket) that passes a socket for the doorbell: the
-    engine closes it and polls every step instead of reading what it cannot trust not to block."""
+def _open_fds() -> set[tuple[int, str]]:
+    """This process's open fds and what each is (the listing's own fd left out)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except FileNotFoundError:  # the listing's own directory, closed since
+            pass
+    return out
+
+
+def _register_with(tmp_path: Path, reply: P.Registered, fds: list[int]) -> tuple[
+        bool, bool, tuple[list[P.Completion], bool]]:
+    """Register with a fake daemon that answers `reply` with `fds`: (doorbell kept, counter
+    mapped, what a step's `pushed()` then finds). Asserts that no fd the reply brought is left
+    open once the client is closed."""
     import socket
     import threading
 
@@ -396,7 +409,6 @@ def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
-    decoy, kept = socket.socketpair()
 
     def serve() -> None:
         conn, _ = server.accept()
@@ -404,30 +416,41 @@ def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path)
         answered = 0
         while answered < 2:
             for _ in reader.feed(conn.recv(1 << 16)):
-                if answered == 0:
-                    conn.sendall(rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake"))))
-                else:
-                    reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True)
-                    conn.sendmsg([rpc.frame(P.encoder.encode(reply))],
-                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", decoy.fileno()))])
+                body = rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake") if answered == 0 else reply))
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if answered else []
+                conn.sendmsg([body], anc)
                 answered += 1
         conn.recv(1)  # until the client closes
         conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
+    geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
     try:
-        geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
-        fd, mm = create_shm(geo.buffers[0])
+        before = _open_fds()
         with EngineClient(path, "e", 0, 1) as c:
             c.register(geo, [fd], doorbell=True, records=True)
-            assert c.doorbell is None
-            assert c.pushed() == ([], True)  # every step polls
+            kept = c.doorbell is not None, c._counter is not None, c.pushed()
+        thread.join(5)
+        assert _open_fds() <= before  # nothing the reply brought is left open
+        return kept
+    finally:
         os.close(fd)
         mm.close()
-    finally:
-        thread.join(5)
         server.close()
+
+
+def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path):
+    """A daemon (or whatever answers on its socket) that passes a socket for the doorbell: the
+    engine closes it and polls every step instead of reading what it cannot trust not to block."""
+    import socket
+
+    decoy, kept = socket.socketpair()
+    try:
+        reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True)
+        assert _register_with(tmp_path, reply, [decoy.fileno()]) == (False, False, ([], True))  # every step polls
+    finally:
         decoy.close()
         kept.close()
 
@@ -607,66 +630,11 @@ def test_a_protocol_9_engine_takes_a_real_daemon_s_completion_past_its_counter(d
         assert c.pushed() == ([], False)
 
 
-def _open_fds() -> set[tuple[int, str]]:
-    """This process's open fds and what each is (the listing's own fd left out)."""
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
-        except FileNotFoundError:  # the listing's own directory, closed since
-            pass
-    return out
-
-
-def _register_with(tmp_path: Path, reply: P.Registered, fds: list[int]) -> tuple[bool, bool]:
-    """Register with a fake daemon that answers `reply` with `fds`: (doorbell kept, counter
-    mapped). Asserts that no fd the reply brought is left open once the client is closed."""
-    import socket
-    import threading
-
-    from kvxferd import rpc
-
-    path = str(tmp_path / "fake.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        reader = rpc.FrameReader()
-        answered = 0
-        while answered < 2:
-            for _ in reader.feed(conn.recv(1 << 16)):
-                body = rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake") if answered == 0 else reply))
-                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if answered else []
-                conn.sendmsg([body], anc)
-                answered += 1
-        conn.recv(1)
-        conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
-    fd, mm = create_shm(geo.buffers[0])
-    try:
-        before = _open_fds()
-        with EngineClient(path, "e", 0, 1) as c:
-            c.register(geo, [fd], doorbell=True, records=True)
-            kept = c.doorbell is not None, c._counter is not None
-        thread.join(5)
-        assert _open_fds() <= before  # nothing the reply brought is left open
-        return kept
-    finally:
-        os.close(fd)
-        mm.close()
-        server.close()
-
-
 def test_a_counter_promised_but_not_sent_leaves_the_pipe_alone_and_nothing_open(tmp_path):
     r, w = os.pipe()
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [r]) == (True, False)
+        assert _register_with(tmp_path, reply, [r]) == (True, False, ([], False))
     finally:
         os.close(r)
         os.close(w)
@@ -678,7 +646,7 @@ def test_a_counter_page_that_could_shrink_is_closed_and_the_pipe_read_every_step
     os.ftruncate(page, 4096)
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [r, page]) == (True, False)
+        assert _register_with(tmp_path, reply, [r, page]) == (True, False, ([], False))
     finally:
         for x in (r, w, page):
             os.close(x)
@@ -693,7 +661,7 @@ def test_a_doorbell_that_is_not_a_pipe_closes_the_page_sent_with_it(tmp_path):
     sealed_page, mapping = counter_page()  # a real page, after what is not a pipe
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [decoy.fileno(), sealed_page]) == (False, False)
+        assert _register_with(tmp_path, reply, [decoy.fileno(), sealed_page]) == (False, False, ([], True))
     finally:
         decoy.close()
         kept.close()

@@ -98,8 +98,12 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, np.ndarray]], q_in: Queue[tuple
     api = nixl_api()
     agent = api.nixl_agent(f"raw-{role}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     keep, buffers, mem = _raw_memory(role, page, n, device, shared)
-    for addr, nbytes in buffers:
-        agent.register_memory(agent.get_reg_descs([(addr, nbytes, 0, "")], mem), mem)
+
+    def register(a: Any) -> None:
+        for addr, nbytes in buffers:
+            a.register_memory(a.get_reg_descs([(addr, nbytes, 0, "")], mem), mem)
+
+    register(agent)
     local = _page_rows(buffers, page)
     q_out.put((agent.get_agent_metadata(), local))
     meta, remote = q_in.get()
@@ -117,8 +121,7 @@ def _raw_side(role: str, q_out: Queue[tuple[Any, np.ndarray]], q_in: Queue[tuple
                                                                                  backends=["UCX"]))
                          for k in range(1, agents)]
     for extra in readers[1:]:
-        for addr, nbytes in buffers:
-            extra.register_memory(extra.get_reg_descs([(addr, nbytes, 0, "")], mem), mem)
+        register(extra)
     lists = []
     for a in readers:
         peer = a.add_remote_agent(meta)
