@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 
 from . import protocol as P
-from .doorbell import COUNTER, DoorbellError, PipeReader, Records, map_counter
+from .doorbell import COUNTER, DoorbellError, PipeReader, Records, RingReader, map_counter, map_ring, parse_whole
 from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
@@ -286,6 +286,7 @@ class EngineClient:
         self._bell: select.poll | None = None  # watches `doorbell`
         self._pipe = PipeReader(READ_BYTES)  # reads the doorbell
         self._counter: mmap.mmap | None = None  # the doorbell's counter page (protocol 9), read-only
+        self._ring: RingReader | None = None  # or its ring page (protocol 10), whose first bytes count
         self._seen = 0  # the counter when the pipe was last read
         self._more = False  # the last read stopped at MAX_READS: the pipe may hold more
         self._read_at = 0.0  # monotonic: the pipe's last read
@@ -295,27 +296,33 @@ class EngineClient:
         self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
-                 fds: Sequence[int] = (), doorbell: bool = False, records: bool = False) -> str:
+                 fds: Sequence[int] = (), doorbell: bool = False, records: bool = False, ring: bool = True) -> str:
         """Hand the daemon this rank's KV memory; returns the side channel peers should dial.
 
         `doorbell`: ask the daemon (protocol 5 and later) for a doorbell pipe, so that `pushed()`
         learns without a round trip what finished: a byte saying a poll would find some, or with
         `records` (protocol 7) the completions themselves, which then no longer come by `poll`
         unless the pipe asks for one. The daemon keeps the write end: nothing the engine does
-        can block it.
+        can block it. With `ring` (protocol 10, x86 hosts) the records come in a ring of shared
+        memory instead, so that a step reads them without a system call (doorbell.py).
         """
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
         if doorbell and self.rpc.version >= 5:
             v = self.rpc.version
             msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=records and v >= 7,
-                                          doorbell_counter=records and v >= 9)
+                                          doorbell_counter=records and v >= 9, doorbell_ring=records and ring and v >= 10)
         reply = self.rpc.call(msg, P.Registered, sent)
-        bell = counter = None
+        bell = counter = ring = None
         if reply.doorbell and self.rpc.reader.fds:  # the pipe's read end came with the reply
             bell = self.rpc.reader.take_fds(1)[0]
             if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not a doorbell: poll every step instead
                 os.close(bell)
                 bell = None
+            elif reply.doorbell_records and reply.doorbell_ring:  # the records are in the ring alone
+                ring = map_ring(self.rpc.reader.take_fds(1)[0]) if self.rpc.reader.fds else None
+                if ring is None:  # no ring to read them in: without the doorbell, every step polls
+                    os.close(bell)
+                    bell = None
             elif reply.doorbell_records and reply.doorbell_counter and self.rpc.reader.fds:
                 counter = map_counter(self.rpc.reader.take_fds(1)[0])  # the page's memfd came after it
         if bell is not None:
@@ -325,19 +332,24 @@ class EngineClient:
         self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         self._records = Records() if bell is not None and reply.doorbell_records else None
-        self._counter = counter
+        self._counter, self._ring = counter, ring
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
     @classmethod
-    def of_doorbell(cls, fd: int, counter_fd: int | None = None) -> EngineClient:
-        """A records doorbell's read end (and its counter page's memfd, closed here) alone, no
-        daemon connection: `pushed()` and nothing else (benchmarks and tests of the doorbell)."""
+    def of_doorbell(cls, fd: int, page_fd: int | None = None, ring: bool = False) -> EngineClient:
+        """A records doorbell's read end (and its counter page's memfd, or with `ring` its ring
+        page's, closed here) alone, no daemon connection: `pushed()` and nothing else (benchmarks
+        and tests of the doorbell)."""
         c = cls.__new__(cls)
-        c.doorbell = c._counter = None
+        c.doorbell = c._counter = c._ring = None
         c._close_doorbell()  # the doorbell's fields, as before a registration
         c.doorbell, c._records, c._pipe = fd, Records(), PipeReader(READ_BYTES)
-        c._counter = None if counter_fd is None else map_counter(counter_fd)
+        if page_fd is not None:
+            if ring:
+                c._ring = map_ring(page_fd)
+            else:
+                c._counter = map_counter(page_fd)
         return c
 
     def attach(self, token: str) -> None:
@@ -359,6 +371,8 @@ class EngineClient:
         bump the count closed its end all the same, and the read's end-of-file says so."""
         if self.doorbell is None:
             return [], True
+        if self._ring is not None:
+            return self._from_ring(self._ring, wait_s, force)
         if self._counter is not None:  # protocol 9: nothing written since the last read, nothing to read
             count = COUNTER.unpack_from(self._counter)[0]
             now = _clock()
@@ -366,12 +380,8 @@ class EngineClient:
                 return [], False
             self._seen = count  # read before the pipe: a write after it moves it again
             self._read_at = now
-        if wait_s > 0:  # sleep in poll(2), the GIL let go, until the pipe has something
-            if self._bell is None:
-                self._bell = select.poll()
-                self._bell.register(self.doorbell, select.POLLIN)
-            if not self._bell.poll(wait_s * 1000):
-                return [], False
+        if wait_s > 0 and not self._wait(wait_s):
+            return [], False
         chunks, ended, self._more = [], False, True
         for _ in range(MAX_READS):  # one read, unless the pipe held more than one read's worth
             chunk = self._pipe.read(self.doorbell)
@@ -396,6 +406,54 @@ class EngineClient:
         if ended:
             self._close_doorbell()
         return completions, poll or ended
+
+    def _from_ring(self, ring: RingReader, wait_s: float, force: bool) -> tuple[list[P.Completion], bool]:
+        """`pushed()` with a ring (protocol 10): the records come from memory. The pipe, whose
+        bytes only wake a waiting engine, is read once the daemon says it closed it, when the count
+        moved and the ring held nothing, before a wait, and at least every FORCED_READ_S (a daemon
+        killed before it could say so)."""
+        count = COUNTER.unpack_from(ring.page)[0]
+        now = _clock()
+        forced = force or now >= self._read_at + FORCED_READ_S
+        if count == self._seen and not forced and wait_s <= 0:
+            return [], False
+        self._seen = count  # read before the ring: a record after it moves it again
+        try:
+            data = ring.take()
+            ended = False
+            if forced or not data or ring.closed():
+                self._read_at = now
+                ended = self._drain()
+                if not (data or ended) and wait_s > 0 and self._wait(wait_s):
+                    self._seen = COUNTER.unpack_from(ring.page)[0]
+                    data = ring.take()
+                    ended = self._drain()
+            completions, poll = parse_whole(data) if data else ([], False)
+        except DoorbellError:
+            self._close_doorbell()
+            raise
+        if ended:
+            self._close_doorbell()
+        return completions, poll or ended
+
+    def _drain(self) -> bool:
+        """Empty the pipe of wake-up bytes; True at its end of file (the daemon closed it)."""
+        assert self.doorbell is not None
+        for _ in range(MAX_READS):  # until empty: the end of file may follow the last bytes
+            chunk = self._pipe.read(self.doorbell)
+            if chunk is None:
+                return False
+            if not chunk:
+                return True
+        return False
+
+    def _wait(self, wait_s: float) -> bool:
+        """Sleep in poll(2), the GIL let go, until the pipe has something or `wait_s` passed."""
+        assert self.doorbell is not None
+        if self._bell is None:
+            self._bell = select.poll()
+            self._bell.register(self.doorbell, select.POLLIN)
+        return bool(self._bell.poll(wait_s * 1000))
 
     def rung(self, wait_s: float = 0.0) -> bool:
         """Protocol 5-6's question, for a doorbell without records: whether a poll may find
@@ -460,7 +518,9 @@ class EngineClient:
             os.close(self.doorbell)
         if self._counter is not None:
             self._counter.close()
-        self.doorbell = self._bell = self._records = self._counter = None
+        if self._ring is not None:
+            self._ring.close()
+        self.doorbell = self._bell = self._records = self._counter = self._ring = None
         self._seen, self._more, self._read_at = 0, False, 0.0
 
     def __enter__(self) -> EngineClient:

@@ -34,6 +34,7 @@ from . import __version__, integrity
 from . import handshake as hs
 from . import protocol as P
 from .config import Config
+from .doorbell import ring_supported
 from .engines import EngineRank, Engines
 from .holds import Holds
 from .lanes import Lanes
@@ -348,7 +349,7 @@ class Daemon:
                 conn.protocol = version
                 return P.Welcome(P.PROTOCOL_VERSION, f"kvxferd {__version__}")
             case P.Register(memory=memory, doorbell=eventfd, doorbell_pipe=pipe, doorbell_records=records,
-                            doorbell_counter=counter):
+                            doorbell_counter=counter, doorbell_ring=ring):
                 # A protocol 3-4 eventfd is taken and closed unrung: its open file is the engine's too,
                 # which could make a write to it block (doorbell.py's pipe is the daemon's alone).
                 fds = conn.reader.take_fds(sum(1 for m in memory if m.has_fd) + eventfd)
@@ -356,12 +357,14 @@ class Daemon:
                 version = conn.protocol or P.PROTOCOL_VERSION
                 records = pipe and records and version >= 7  # a reply to an older hello could not say so
                 counter = records and counter and version >= 9
+                ring = counter and ring and version >= 10 and ring_supported()
                 if pipe:
-                    for fd in er.open_doorbell(records, counter):
+                    for fd in er.open_doorbell(records, counter, ring):
                         conn.send_with_next_reply(fd)
                     counter = er.doorbell is not None and er.doorbell.counter is not None  # a page was made
+                    ring = counter and er.doorbell is not None and er.doorbell.ring
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
-                                    records, counter).for_version(version)
+                                    records, counter, ring).for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):

@@ -21,14 +21,37 @@ a system call, which on a cache the forward pass just evicted costs tens of micr
 engine maps the page read-only; the daemon never reads it (its count is its own), and the seals
 keep an engine from shrinking it under the daemon's mapping.
 
-A completion goes to the queue instead (and the marker into the pipe, once, until the engine
-polls) when its record is larger than PIPE_BUF, or when the pipe already holds a quarter of its
-capacity (an engine that stopped reading). Once one is queued, later ones queue behind it until
-a poll has taken them all, so the engine sees every rank's completions in order. The quarter
-keeps room for the marker: a record takes at most one of the pipe's page slots, and two
-neighbouring slots hold more than a page between them, so a quarter's worth of bytes fills at
-most half the slots plus two. A marker that does not fit anyway closes the pipe: the engine
-reads end-of-file and polls every step from then on.
+Protocol 10 moves the records out of the pipe into a ring in a larger shared page, so a step
+that finds completions reads them from memory as well, with no system call at all (on this
+project's VM a `read(2)` right after a forward pass costs 40-70 us; the same records from the
+ring 25):
+
+    the ring page: a memfd of RING_PAGE bytes, sealed against shrinking, growing and more seals
+    0        8        16       24        64       72              4096                    65536
+    +--------+--------+--------+--  --+--------+-----  -----+------------------------------+
+    | writes | head   | closed |      | tail   |            | records, as in the pipe: a ring |
+    +--------+--------+--------+--  --+--------+-----  -----+------------------------------+
+    u64 LE: writes (the counter, as protocol 9), head (record bytes the daemon wrote, ever),
+    closed (1 once the daemon closed its end of the pipe), tail (record bytes the engine took,
+    ever: the engine writes it, on its own cache line)
+
+The daemon writes a record at `head % RING_BYTES` (wrapping at the end), then `head`, then the
+counter, then a byte into the pipe (its wake-up: an engine waiting on the pipe in poll(2), and the
+end-of-file when the daemon goes, still come through the pipe; the bytes mean nothing else). The
+engine copies `tail..head` out, then stores `tail`. The daemon reads `tail` only to learn how much
+room the ring has, bounded by what it wrote: an engine that lies about it loses its own records,
+nothing else. Stores land in program order only where the CPU keeps them so (x86's total store
+order; Python has no fences), so the daemon offers a ring on x86 hosts only, a counter page
+elsewhere. The poll marker goes into the ring too, in room every record leaves for it.
+
+A completion goes to the queue instead (and the marker into the pipe or the ring, once, until
+the engine polls) when its record is larger than PIPE_BUF, when the pipe already holds a quarter
+of its capacity (an engine that stopped reading), or when the ring has no room for it. Once one
+is queued, later ones queue behind it until a poll has taken them all, so the engine sees every
+rank's completions in order. The quarter keeps room for the marker: a record takes at most one of
+the pipe's page slots, and two neighbouring slots hold more than a page between them, so a
+quarter's worth of bytes fills at most half the slots plus two. A marker that does not fit anyway
+closes the pipe: the engine reads end-of-file and polls every step from then on.
 """
 
 from __future__ import annotations
@@ -39,6 +62,7 @@ import fcntl
 import logging
 import mmap
 import os
+import platform
 import select
 import stat
 import struct
@@ -56,6 +80,10 @@ POLL_MARKER = HEADER.pack(0)
 RING = b"\x01"
 COUNTER = struct.Struct("<Q")  # the counter page's first bytes (protocol 9)
 COUNTER_PAGE = mmap.PAGESIZE
+U64 = COUNTER
+RING_HEAD, RING_CLOSED, RING_TAIL = 8, 16, 64  # the ring page's fields (protocol 10; the module's diagram)
+RING_DATA, RING_PAGE = 4096, 1 << 16  # fixed, whatever the host's page size: the layout is the protocol's
+RING_BYTES = RING_PAGE - RING_DATA
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1: no new writable mapping
 
 _encoder = msgspec.msgpack.Encoder()
@@ -77,13 +105,29 @@ def counter_page() -> tuple[int, mmap.mmap]:
     daemon's writable mapping. Sealed against shrinking and growing (a page cut from under the
     mapping would kill the daemon with SIGBUS at its next bump) and, where the kernel can, against
     any new writable mapping: the engine's can only read."""
+    return _sealed_page(COUNTER_PAGE, engine_writes=False)
+
+
+def ring_page() -> tuple[int, mmap.mmap]:
+    """A ring page (protocol 10), as `counter_page` but one the engine maps writable: it stores
+    its `tail` there."""
+    return _sealed_page(RING_PAGE, engine_writes=True)
+
+
+def ring_supported() -> bool:
+    """Whether this host keeps plain stores in order (x86's total store order): the ring's
+    records, `head` and the counter are stored one after another with no fence between."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _sealed_page(size: int, engine_writes: bool) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create("kvxferd-doorbell", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, COUNTER_PAGE)
-        page = mmap.mmap(fd, COUNTER_PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.ftruncate(fd, size)
+        page = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
         try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | F_SEAL_FUTURE_WRITE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | (0 if engine_writes else F_SEAL_FUTURE_WRITE))
         except OSError:  # before Linux 5.1: the engine may map it writable, and only fools itself
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     except BaseException:
@@ -94,47 +138,56 @@ def counter_page() -> tuple[int, mmap.mmap]:
 
 class Doorbell:
     """The daemon's end of one rank's doorbell. Owns the write end, the counter page's mapping
-    and count (protocol 9), and whether the engine has been told that completions wait in the
-    queue (`told`, until its next poll)."""
+    and count (protocol 9) or the ring page's with its `head` (protocol 10), and whether the
+    engine has been told that completions wait in the queue (`told`, until its next poll)."""
 
-    def __init__(self, write_end: int, records: bool, owner: str = "", counter: mmap.mmap | None = None) -> None:
+    def __init__(self, write_end: int, records: bool, owner: str = "", counter: mmap.mmap | None = None,
+                 ring: bool = False) -> None:
         self.fd, self.records, self.owner = write_end, records, owner  # owner: whose, for the logs
         self.budget = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // 4
         self.told = False
         self.counter = counter
         self.writes = 0  # what the counter says: the daemon's own count, never read back from the page
+        self.ring = ring and records and counter is not None and len(counter) >= RING_PAGE
+        self.head = self.tail = 0  # the ring's: bytes written, and taken as far as the daemon knows
 
     @classmethod
-    def make(cls, records: bool, owner: str = "", counter: bool = False) -> tuple[Doorbell, list[int]]:
+    def make(cls, records: bool, owner: str = "", counter: bool = False,
+             ring: bool = False) -> tuple[Doorbell, list[int]]:
         """A new pipe: the daemon's end, and the fds for the engine (send them, then close them):
-        the pipe's read end, then with `counter` the counter page's memfd. A counter page that
-        cannot be made (no fd left) is left out: the engine reads the pipe every step."""
+        the pipe's read end, then with `counter` the counter page's memfd, a ring page's with
+        `ring` too. A page that cannot be made (no fd left) is left out: the engine reads the
+        pipe every step."""
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         page = None
         fds = [read_end]
         if counter:
             try:
-                page_fd, page = counter_page()
+                page_fd, page = ring_page() if ring else counter_page()
                 fds.append(page_fd)
             except OSError as exc:
-                log.warning("%s: no doorbell counter page (%s): the engine reads the pipe every step", owner, exc)
-        return cls(write_end, records, owner, page), fds
+                log.warning("%s: no doorbell page (%s): the engine reads the pipe every step", owner, exc)
+        return cls(write_end, records, owner, page, ring), fds
 
     def _bump(self) -> None:
-        """After each write to the pipe, and at its close: the engine's next check reads it."""
+        """After each write to the pipe or the ring, and at its close: the engine's next check reads it."""
         if self.counter is not None:
             self.writes += 1
             COUNTER.pack_into(self.counter, 0, self.writes)
 
     def push(self, c: P.Completion) -> bool:
-        """Records mode: write `c` into the pipe. False: it goes to the queue (see the module)."""
+        """Records mode: write `c` into the ring or the pipe. False: it goes to the queue (see the module)."""
         if not self.records or self.told or self.fd < 0:
             return False
         if sum(map(len, c.block_ids)) >= MAX_RECORD:  # a byte per id at least: not worth encoding
             return False
         body = _encoder.encode(c)
         record = HEADER.pack(len(body)) + body
-        if len(record) > MAX_RECORD or queued_bytes(self.fd) + len(record) > self.budget:
+        if len(record) > MAX_RECORD:
+            return False
+        if self.ring:
+            return self._into_ring(record, room_after=len(POLL_MARKER))
+        if queued_bytes(self.fd) + len(record) > self.budget:
             return False
         return self._write(record)
 
@@ -143,7 +196,11 @@ class Doorbell:
         if self.told or self.fd < 0:
             return
         self.told = True
-        if not self._write(POLL_MARKER if self.records else RING) and self.records and self.fd >= 0:
+        if self.ring:
+            written = self._into_ring(POLL_MARKER, room_after=0)
+        else:
+            written = self._write(POLL_MARKER if self.records else RING)
+        if not written and self.records and self.fd >= 0:
             log.warning("%s: doorbell full past its budget; closed: the engine polls every step", self.owner)
             self.close()
 
@@ -152,6 +209,34 @@ class Doorbell:
         self.told = False
         if left:
             self.tell()
+
+    def _into_ring(self, record: bytes, room_after: int) -> bool:
+        """Protocol 10: `record` into the ring if it fits with `room_after` bytes to spare (a
+        record leaves room for the marker), then its wake-up byte into the pipe."""
+        page = self.counter
+        assert page is not None
+        taken = U64.unpack_from(page, RING_TAIL)[0]  # the engine's word: believed within what was written
+        if self.tail <= taken <= self.head:
+            self.tail = taken
+        if self.head - self.tail + len(record) + room_after > RING_BYTES:
+            return False
+        at = self.head % RING_BYTES
+        first = min(len(record), RING_BYTES - at)
+        page[RING_DATA + at:RING_DATA + at + first] = record[:first]
+        if first < len(record):  # wraps: the rest at the ring's start
+            page[RING_DATA:RING_DATA + len(record) - first] = record[first:]
+        self.head += len(record)
+        U64.pack_into(page, RING_HEAD, self.head)
+        self._bump()
+        try:
+            os.write(self.fd, RING)
+        except BlockingIOError:
+            pass  # a full pipe wakes a waiting engine already
+        except OSError as exc:  # EPIPE: the engine closed its end, and no longer reads the ring either
+            log.info("%s: doorbell closed by the engine (%s); it polls without it", self.owner, exc)
+            self.close()
+            return False
+        return True
 
     def _write(self, data: bytes) -> bool:
         try:
@@ -169,6 +254,8 @@ class Doorbell:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.ring and self.counter is not None:  # a step that finds records behind the bump reads the pipe too
+            U64.pack_into(self.counter, RING_CLOSED, 1)
         if self.counter is not None:
             self._bump()  # the engine reads end-of-file, and polls from then on
             self.counter.close()
@@ -231,17 +318,95 @@ def map_counter(fd: int) -> mmap.mmap | None:
     """The engine's read-only mapping of a counter page, its memfd closed; None (the engine reads
     the pipe every step) when `fd` is not a page sealed against shrinking: one that could shrink
     would let whoever holds it kill the engine with SIGBUS at its next check."""
+    return _map_page(fd, COUNTER.size, mmap.PROT_READ)
+
+
+def map_ring(fd: int) -> RingReader | None:
+    """The engine's side of a ring page (protocol 10), its memfd closed; None when `fd` is not a
+    ring page sealed against shrinking (as `map_counter`)."""
+    page = _map_page(fd, RING_PAGE, mmap.PROT_READ | mmap.PROT_WRITE)
+    return None if page is None else RingReader(page)
+
+
+def _map_page(fd: int, size: int, prot: int) -> mmap.mmap | None:
     try:
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:  # first: then its size can only grow
             return None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < COUNTER.size:
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
             return None
-        return mmap.mmap(fd, COUNTER.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
     except (OSError, ValueError):  # not a memfd (EINVAL from F_GET_SEALS), or mmap refused
         return None
     finally:
         os.close(fd)
+
+
+class RingReader:
+    """The engine's side of a ring page: takes the records the daemon wrote since the last take.
+    Keeps its own `tail` (the page's copy is for the daemon), and checks the daemon's `head`
+    against it: a head that ran backwards or more than a ring ahead is not the daemon's."""
+
+    def __init__(self, page: mmap.mmap) -> None:
+        self.page = page  # its first 8 bytes are the counter
+        self.tail = 0
+
+    def take(self) -> bytes:
+        """The bytes of whole records between the engine's tail and the daemon's head (b"": none)."""
+        page = self.page
+        head = U64.unpack_from(page, RING_HEAD)[0]
+        n = head - self.tail
+        if n == 0:
+            return b""
+        if not 0 < n <= RING_BYTES:
+            raise DoorbellError(f"ring head {head} against the engine's tail {self.tail}")
+        at = RING_DATA + self.tail % RING_BYTES
+        if at + n <= RING_PAGE:
+            data = page[at:at + n]
+        else:  # wrapped: the rest at the ring's start
+            data = page[at:] + page[RING_DATA:RING_DATA + n - (RING_PAGE - at)]
+        self.tail = head
+        U64.pack_into(page, RING_TAIL, head)  # after the copy: the daemon may write over them now
+        return data
+
+    def closed(self) -> bool:
+        """The daemon says it closed its end: the pipe's end of file is there to read."""
+        return U64.unpack_from(self.page, RING_CLOSED)[0] != 0
+
+    def close(self) -> None:
+        self.page.close()
+
+
+def _parse(buf: memoryview) -> tuple[list[P.Completion], bool, int]:
+    """The records at the start of `buf`, whether the marker was among them, and where the first
+    record not yet whole in `buf` starts."""
+    out: list[P.Completion] = []
+    poll = False
+    at = 0
+    while len(buf) - at >= HEADER.size:
+        (n,) = HEADER.unpack_from(buf, at)
+        if n > MAX_RECORD - HEADER.size:
+            raise DoorbellError(f"record of {n} B announced; at most {MAX_RECORD - HEADER.size}")
+        start = at + HEADER.size
+        if len(buf) - start < n:
+            break
+        if n == 0:
+            poll = True
+        else:
+            try:
+                out.append(_decoder.decode(buf[start:start + n]))
+            except msgspec.DecodeError as exc:
+                raise DoorbellError(f"undecodable record: {exc}") from None
+        at = start + n
+    return out, poll, at
+
+
+def parse_whole(data: bytes) -> tuple[list[P.Completion], bool]:
+    """Records the ring gave (whole ones only: a record cut short is not the daemon's)."""
+    out, poll, at = _parse(memoryview(data))
+    if at != len(data):
+        raise DoorbellError(f"{len(data) - at} B of the ring are no whole record")
+    return out, poll
 
 
 class Records:
@@ -254,23 +419,6 @@ class Records:
 
     def feed(self, data: bytes) -> tuple[list[P.Completion], bool]:
         buf = memoryview(self.pending + data if self.pending else data)
-        out: list[P.Completion] = []
-        poll = False
-        at = 0
-        while len(buf) - at >= HEADER.size:
-            (n,) = HEADER.unpack_from(buf, at)
-            if n > MAX_RECORD - HEADER.size:
-                raise DoorbellError(f"record of {n} B announced; at most {MAX_RECORD - HEADER.size}")
-            start = at + HEADER.size
-            if len(buf) - start < n:
-                break
-            if n == 0:
-                poll = True
-            else:
-                try:
-                    out.append(_decoder.decode(buf[start:start + n]))
-                except msgspec.DecodeError as exc:
-                    raise DoorbellError(f"undecodable record: {exc}") from None
-            at = start + n
+        out, poll, at = _parse(buf)
         self.pending = bytearray(buf[at:]) if at < len(buf) else bytearray()
         return out, poll

@@ -105,11 +105,11 @@ class EngineRank:
             self.doorbell.polled(left=bool(self.completions))
         return P.Completions(items)
 
-    def open_doorbell(self, records: bool, counter: bool = False) -> list[int]:
+    def open_doorbell(self, records: bool, counter: bool = False, ring: bool = False) -> list[int]:
         """Make the rank's doorbell; returns the fds for the engine, the pipe's read end and the
-        counter page's memfd when asked for and made (the caller sends and closes them)."""
+        counter (or ring) page's memfd when asked for and made (the caller sends and closes them)."""
         self.close_doorbell()
-        self.doorbell, fds = Doorbell.make(records, f"engine {self.engine_id} rank {self.tp_rank}", counter)
+        self.doorbell, fds = Doorbell.make(records, f"engine {self.engine_id} rank {self.tp_rank}", counter, ring)
         return fds
 
     def close_doorbell(self) -> None:

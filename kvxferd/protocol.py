@@ -18,10 +18,10 @@ from .plan.geometry import Geometry
 # know them would drop them and misread the memory: it refuses version 4), 5 the daemon's own
 # doorbell pipe (`register.doorbell_pipe`), 6 `expect` (a read announced before its blocks are
 # allocated: the prefill's holds are kept alive meanwhile), 7 completions written into the doorbell
-# pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`); older
-# clients are served
-PROTOCOL_VERSION = 9
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`), 9 the
+# doorbell's counter page, 10 its completion ring (`register.doorbell_ring`); older clients are served
+PROTOCOL_VERSION = 10
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -135,6 +135,7 @@ class Register(Msg, tag="register", omit_defaults=True):  # fields at their defa
     doorbell_pipe: bool = False  # protocol 5: the daemon makes the doorbell, sends its read end back
     doorbell_records: bool = False  # protocol 7: the doorbell carries the completions (doorbell.py)
     doorbell_counter: bool = False  # protocol 9: with records, a counter page too (doorbell.py)
+    doorbell_ring: bool = False  # protocol 10: with a counter, the records in a ring on its page
 
 
 class Unregister(Msg, tag="unregister"):
@@ -239,12 +240,13 @@ class Registered(Msg, tag="registered", omit_defaults=True):
     max_lease_s: float = 0.0
     doorbell_records: bool = False  # protocol 7: the doorbell carries completion records (doorbell.py)
     doorbell_counter: bool = False  # protocol 9: the counter page's memfd came after the pipe's read end
+    doorbell_ring: bool = False  # protocol 10: that page is a ring page, and the records are in it
 
     def for_version(self, version: int) -> Registered:
         """This reply as a client of `version` can decode it: fields it predates left at their
         default (and so not sent)."""
         since = {"doorbell": (3, False), "token": (3, ""), "max_lease_s": (6, 0.0), "doorbell_records": (7, False),
-                 "doorbell_counter": (9, False)}
+                 "doorbell_counter": (9, False), "doorbell_ring": (10, False)}
         older = {name: default for name, (v, default) in since.items() if version < v}
         return msgspec.structs.replace(self, **older) if older else self
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fake_daemon import register_with
 
 from kvxferd import protocol as P
 from kvxferd.client import EngineClient
@@ -140,8 +141,8 @@ def test_an_engine_that_stops_reading_fills_a_quarter_of_its_pipe_then_the_queue
     fd, mm = create_shm(geo.buffers[0])
     try:
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
-            c.register(geo, shm_fds=[fd], doorbell=True, records=True)
-            assert c.doorbell is not None
+            c.register(geo, shm_fds=[fd], doorbell=True, records=True, ring=False)
+            assert c.doorbell is not None and c._ring is None
             n = 40  # ~1 KB records: 40 KB in all, past a quarter of a 64 KiB pipe
             fail_kilobyte_reads(c, daemon, n)
             assert queued_bytes(c.doorbell) <= fcntl.fcntl(c.doorbell, fcntl.F_GETPIPE_SZ) // 4 + 4
@@ -303,7 +304,7 @@ def test_an_engine_that_shrank_its_pipe_still_gets_every_completion(daemon):
     fd, mm = create_shm(geo.buffers[0])
     try:
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
-            c.register(geo, shm_fds=[fd], doorbell=True, records=True)
+            c.register(geo, shm_fds=[fd], doorbell=True, records=True, ring=False)
             assert c.doorbell is not None
             fcntl.fcntl(c.doorbell, fcntl.F_SETPIPE_SZ, 4096)
             n = 12  # ~1 KB records: 12 KB, past the one page left
@@ -384,63 +385,6 @@ def test_a_read_of_the_doorbell_never_waits_even_on_a_blocking_pipe():
             os.close(write_end)
 
 
-def _open_fds() -> set[tuple[int, str]]:
-    """This process's open fds and what each is (the listing's own fd left out)."""
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
-        except FileNotFoundError:  # the listing's own directory, closed since
-            pass
-    return out
-
-
-def _register_with(tmp_path: Path, reply: P.Registered, fds: list[int]) -> tuple[
-        bool, bool, tuple[list[P.Completion], bool]]:
-    """Register with a fake daemon that answers `reply` with `fds`: (doorbell kept, counter
-    mapped, what a step's `pushed()` then finds). Asserts that no fd the reply brought is left
-    open once the client is closed."""
-    import socket
-    import threading
-
-    from kvxferd import rpc
-
-    path = str(tmp_path / "fake.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        reader = rpc.FrameReader()
-        answered = 0
-        while answered < 2:
-            for _ in reader.feed(conn.recv(1 << 16)):
-                body = rpc.frame(P.encoder.encode(P.Welcome(P.PROTOCOL_VERSION, "fake") if answered == 0 else reply))
-                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if answered else []
-                conn.sendmsg([body], anc)
-                answered += 1
-        conn.recv(1)  # until the client closes
-        conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    geo = build(ModelShape(layers=1, kv_heads=1, head_dim=8, block_size=4, num_blocks=8), 1, 0)
-    fd, mm = create_shm(geo.buffers[0])
-    try:
-        before = _open_fds()
-        with EngineClient(path, "e", 0, 1) as c:
-            c.register(geo, [fd], doorbell=True, records=True)
-            kept = c.doorbell is not None, c._counter is not None, c.pushed()
-        thread.join(5)
-        assert _open_fds() <= before  # nothing the reply brought is left open
-        return kept
-    finally:
-        os.close(fd)
-        mm.close()
-        server.close()
-
-
 def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path):
     """A daemon (or whatever answers on its socket) that passes a socket for the doorbell: the
     engine closes it and polls every step instead of reading what it cannot trust not to block."""
@@ -449,7 +393,7 @@ def test_a_doorbell_that_is_not_a_pipe_is_refused_and_the_engine_polls(tmp_path)
     decoy, kept = socket.socketpair()
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True)
-        assert _register_with(tmp_path, reply, [decoy.fileno()]) == (False, False, ([], True))  # every step polls
+        assert register_with(tmp_path, reply, [decoy.fileno()]) == (False, False, ([], True))  # every step polls
     finally:
         decoy.close()
         kept.close()
@@ -613,11 +557,12 @@ def test_a_counter_page_that_could_shrink_is_not_mapped_and_the_pipe_is_read_eve
         os.close(w)
 
 
-def test_a_protocol_9_engine_takes_a_real_daemon_s_completion_past_its_counter(daemon, shm):
+@pytest.mark.parametrize("ring", [False, True], ids=["counter", "ring"])
+def test_an_engine_takes_a_real_daemon_s_completion_past_its_counter(daemon, shm, ring):
     geo, fd = shm
     with EngineClient(daemon.socket, "engine", 0, 1) as c:
-        c.register(geo, shm_fds=[fd], doorbell=True, records=True)
-        assert c._counter is not None and c.doorbell is not None
+        c.register(geo, shm_fds=[fd], doorbell=True, records=True, ring=ring)
+        assert (c._ring is not None, c._counter is not None) == (ring, not ring) and c.doorbell is not None
         assert c.pushed() == ([], False)
         c.read("r1", NOBODY, 8, [[3, 4]], [[3, 4]], DEADLINE_S)
         got: list[P.Completion] = []
@@ -634,7 +579,7 @@ def test_a_counter_promised_but_not_sent_leaves_the_pipe_alone_and_nothing_open(
     r, w = os.pipe()
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [r]) == (True, False, ([], False))
+        assert register_with(tmp_path, reply, [r]) == (True, False, ([], False))
     finally:
         os.close(r)
         os.close(w)
@@ -646,7 +591,7 @@ def test_a_counter_page_that_could_shrink_is_closed_and_the_pipe_read_every_step
     os.ftruncate(page, 4096)
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [r, page]) == (True, False, ([], False))
+        assert register_with(tmp_path, reply, [r, page]) == (True, False, ([], False))
     finally:
         for x in (r, w, page):
             os.close(x)
@@ -661,7 +606,7 @@ def test_a_doorbell_that_is_not_a_pipe_closes_the_page_sent_with_it(tmp_path):
     sealed_page, mapping = counter_page()  # a real page, after what is not a pipe
     try:
         reply = P.Registered("127.0.0.1:1", "agent", doorbell=True, doorbell_records=True, doorbell_counter=True)
-        assert _register_with(tmp_path, reply, [decoy.fileno(), sealed_page]) == (False, False, ([], True))
+        assert register_with(tmp_path, reply, [decoy.fileno(), sealed_page]) == (False, False, ([], True))
     finally:
         decoy.close()
         kept.close()

@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from .. import protocol as P
-from ..client import AsyncEngineClient, Completion, RemoteRef
-from ..doorbell import Records
+from ..client import AsyncEngineClient, Completion, EngineClient, RemoteRef
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
 from . import control_raw
@@ -35,9 +34,11 @@ BLOCKS = 16
 
 async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remote_port: int, concurrency: int,
                  requests: int, batch: int = 1, prefill: tuple[str, str] = ("", ""),
-                 announce: bool = False, pause_s: float = 0.0, bell: int | None = None) -> tuple[float, list[float]]:
+                 announce: bool = False, pause_s: float = 0.0,
+                 bell: EngineClient | None = None) -> tuple[float, list[float]]:
     """`requests` reads, `concurrency` in flight; one connection posts, another streams completions
-    (long polls), or with `bell` they come in the decode engine's doorbell (protocol 7 records).
+    (long polls), or with `bell` (the registering client) they come in the decode engine's doorbell
+    (its records: in the pipe, or its ring).
 
     `batch` > 1: reads go `batch` to a frame (protocol 2), posted whenever that many slots are free.
     `prefill`: the prefill engine's socket and token; it holds each request first (untimed).
@@ -63,27 +64,23 @@ async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remot
         while True:
             deliver(await poller.poll(wait_s=1.0))
 
-    async def pump_doorbell(fd: int) -> None:
+    async def pump_doorbell(client: EngineClient) -> None:
         """Records as the pipe becomes readable; a poll only when it asks for one."""
-        records, readable = Records(), asyncio.Event()
+        assert client.doorbell is not None
+        fd, readable = os.dup(client.doorbell), asyncio.Event()  # the loop's own: the client may close its fd
         loop = asyncio.get_running_loop()
         loop.add_reader(fd, readable.set)
         try:
-            while True:
+            while client.doorbell is not None:  # None: the daemon closed its end: long polls from now on
                 await readable.wait()
                 readable.clear()
-                try:
-                    data = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not data:  # the daemon closed its end: long polls from now on
-                    break
-                items, poll = records.feed(data)
+                items, poll = client.pushed(force=True)  # force: empty the pipe, whose bytes woke the loop
                 deliver(items)
                 if poll:
                     deliver(await poller.poll(0.0))
         finally:
             loop.remove_reader(fd)
+            os.close(fd)
         await pump()
 
     async def one(i: int, slot: int) -> None:
@@ -200,7 +197,8 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
             d = BenchEngine(dd.socket, "d", geo, doorbell="records" if completions == "doorbell" else "")
             host, port = p.side_channel.rsplit(":", 1)
             elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
-                                              per_frame, (pd.socket, p.client.token), bell=d.client.doorbell))
+                                              per_frame, (pd.socket, p.client.token),
+                                              bell=d.client if d.client.doorbell is not None else None))
             daemon = d.client.status().latency_us
             rows.append({"concurrency": concurrency, "batch": per_frame, "completions": completions,
                          "requests": n, "req_per_s": n / elapsed,
