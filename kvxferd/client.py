@@ -310,17 +310,18 @@ class EngineClient:
         if doorbell and self.rpc.version >= 5:
             v = self.rpc.version
             msg = msgspec.structs.replace(msg, doorbell_pipe=True, doorbell_records=records and v >= 7,
-                                          doorbell_counter=records and v >= 9, doorbell_ring=records and ring and v >= 10)
+                                          doorbell_counter=records and v >= 9,
+                                          doorbell_ring=records and ring and v >= 10)
         reply = self.rpc.call(msg, P.Registered, sent)
-        bell = counter = ring = None
+        bell = counter = in_ring = None
         if reply.doorbell and self.rpc.reader.fds:  # the pipe's read end came with the reply
             bell = self.rpc.reader.take_fds(1)[0]
             if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not a doorbell: poll every step instead
                 os.close(bell)
                 bell = None
             elif reply.doorbell_records and reply.doorbell_ring:  # the records are in the ring alone
-                ring = map_ring(self.rpc.reader.take_fds(1)[0]) if self.rpc.reader.fds else None
-                if ring is None:  # no ring to read them in: without the doorbell, every step polls
+                in_ring = map_ring(self.rpc.reader.take_fds(1)[0]) if self.rpc.reader.fds else None
+                if in_ring is None:  # no ring to read them in: without the doorbell, every step polls
                     os.close(bell)
                     bell = None
             elif reply.doorbell_records and reply.doorbell_counter and self.rpc.reader.fds:
@@ -332,7 +333,7 @@ class EngineClient:
         self._close_doorbell()
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         self._records = Records() if bell is not None and reply.doorbell_records else None
-        self._counter, self._ring = counter, ring
+        self._counter, self._ring = counter, in_ring
         self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
         return self.side_channel
 
