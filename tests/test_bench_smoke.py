@@ -68,11 +68,13 @@ def test_bench_step_runs():
         ("nothing finishes, a busy second thread", "EngineClient.pushed(): the GIL kept (ships)"),
         ("one read finishes", "doorbell ring + poll (protocol 6, baseline)"),
         ("one read finishes", "worker.results() (ships: records)"),
-        ("in one process (the floor)", "daemon: Doorbell.push()"),
-        ("in one process (the floor)", "engine: EngineClient.pushed()"),
-        ("in one process (the floor)", "nothing new: the pipe read (protocol 7)"),
-        ("in one process (the floor)", "nothing new: the counter (protocol 9)")]
-    assert all(r["p50_us"] > 0 for r in rows) and step.render(rows).count("worker / baseline") == 3
+        *((scenario, f"{name}: {what}") for scenario in ("in one process (the floor)",
+                                                         "in one process, caches flushed before each read")
+          for name, _, _ in step.MECHANISMS
+          for what in ("daemon's push()", "pushed(), one record", "pushed(), nothing new"))]
+    text = step.render(rows)
+    assert all(r["p50_us"] > 0 for r in rows) and text.count("worker / baseline") == 3
+    assert text.count("ring (10) / counter + pipe (9)") == 4  # one record and nothing new, warm and cold
     assert rows[4]["found"] > 0.5 and rows[5]["found"] > 0.5  # the reads did finish within their steps
 
 

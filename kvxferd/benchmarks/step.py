@@ -13,11 +13,14 @@ busy CPU, as an engine's own step would.
   poll would find something, then the poll (a bare client: no bookkeeping). The worker as it
   ships gets the completion itself from the doorbell (protocol 7).
 * The floor: one record written to a doorbell and read back with `EngineClient.pushed()` in one
-  process, no daemon and no busy CPU between (what the mechanism costs on a quiet core).
+  process, no daemon between, through the pipe (protocol 7), behind the counter page (9) and in
+  the ring (10), each against the one before: warm (what the mechanism costs on a quiet core),
+  and with caches flushed between the write and the read (what a step after a forward pass pays).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import select
 import threading
@@ -177,37 +180,48 @@ def _one_read_finishes(decode_socket: str, prefill_socket: str, steps: int) -> l
     return rows
 
 
+# How a step learns what finished, in the floor: the records in the pipe (protocol 7), the same
+# behind the counter page (9), and in the ring (10), each the baseline of the next.
+MECHANISMS: tuple[tuple[str, bool, bool], ...] = (("pipe (7)", False, False), ("counter + pipe (9)", True, False),
+                                                  ("ring (10)", True, True))
+FLUSH_BYTES = 64 << 20  # more than this VM's caches: what a forward pass leaves of them
+
+
 def _floor(steps: int) -> list[Row]:
-    """In one process: a record written and read back, and a check that finds nothing, through
-    the pipe alone (protocol 7) and past the counter page (protocol 9)."""
-    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True)
-    engine = EngineClient.of_doorbell(read_end, page_fd)
-    plain_bell, (plain_end,) = Doorbell.make(records=True)
-    plain = EngineClient.of_doorbell(plain_end)
+    """In one process, per mechanism: a record written (`Doorbell.push()`), read back
+    (`EngineClient.pushed()`), and a check that then finds nothing. Warm, and with 64 MiB of
+    memory touched between the write and the read (untimed), as an engine step's forward pass
+    leaves the caches: what a real decode's steps pay."""
+    import numpy as np
+
+    junk = np.ones(FLUSH_BYTES, dtype=np.uint8)
     done = P.Completion("a-request-id-of-typical-length-0123456789", "received", [], "", 1 << 20, 0.0003)
-    write, read, idle_pipe, idle_counter = [], [], [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        bell.push(done)
-        t1 = time.perf_counter()
-        got, _ = engine.pushed()
-        t2 = time.perf_counter()
-        nothing, _ = engine.pushed()
-        t3 = time.perf_counter()
-        plain.pushed()
-        idle_pipe.append(time.perf_counter() - t3)
-        idle_counter.append(t3 - t2)
-        read.append(t2 - t1)
-        write.append(t1 - t0)
-        assert got == [done] and nothing == []
-    for b in (bell, plain_bell):
-        b.close()
-    for e in (engine, plain):
-        e._close_doorbell()
-    return [_row("daemon: Doorbell.push()", "in one process (the floor)", write, steps),
-            _row("engine: EngineClient.pushed()", "in one process (the floor)", read, steps),
-            _row("nothing new: the pipe read (protocol 7)", "in one process (the floor)", idle_pipe, steps),
-            _row("nothing new: the counter (protocol 9)", "in one process (the floor)", idle_counter, steps)]
+    rows = []
+    for scenario, cold in (("in one process (the floor)", False),
+                           ("in one process, caches flushed before each read", True)):
+        for name, counter, ring in MECHANISMS:
+            bell, fds = Doorbell.make(records=True, counter=counter, ring=ring)
+            engine = EngineClient.of_doorbell(fds[0], fds[1] if counter else None, ring=ring)
+            write, read, idle = [], [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                bell.push(done)
+                write.append(time.perf_counter() - t0)
+                if cold:
+                    junk[::64] += 1  # a byte per cache line
+                t1 = time.perf_counter()
+                got, _ = engine.pushed()
+                t2 = time.perf_counter()
+                nothing, _ = engine.pushed()
+                idle.append(time.perf_counter() - t2)
+                read.append(t2 - t1)
+                assert got == [done] and nothing == [], name
+            bell.close()
+            engine._close_doorbell()
+            rows += [_row(f"{name}: daemon's push()", scenario, write, steps),
+                     _row(f"{name}: pushed(), one record", scenario, read, steps),
+                     _row(f"{name}: pushed(), nothing new", scenario, idle, steps)]
+    return rows
 
 
 def run(steps: int = 2000, pending: int = 16) -> list[Row]:
@@ -230,4 +244,10 @@ def render(rows: list[Row]) -> str:
             base, worker = group[0]["p50_us"], group[1]["p50_us"]
             assert isinstance(base, float) and isinstance(worker, float)
             lines.append(f"  worker / baseline (p50): {worker / base:.3f}")
+        by_name = {str(r["per_step"]): float(r["p50_us"]) for r in group}
+        for (before, _, _), (after, _, _) in itertools.pairwise(MECHANISMS):
+            for what in ("pushed(), one record", "pushed(), nothing new"):
+                if f"{before}: {what}" in by_name:
+                    ratio = by_name[f"{after}: {what}"] / by_name[f"{before}: {what}"]
+                    lines.append(f"  {what}, {after} / {before} (p50): {ratio:.3f}")
     return "\n".join(lines)
