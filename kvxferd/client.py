@@ -351,6 +351,9 @@ class EngineClient:
                 c._ring = map_ring(page_fd)
             else:
                 c._counter = map_counter(page_fd)
+            if c._ring is None and c._counter is None:
+                c._close_doorbell()
+                raise ValueError(f"fd {page_fd} is not a sealed doorbell page")
         return c
 
     def attach(self, token: str) -> None:
@@ -423,12 +426,15 @@ class EngineClient:
             data = ring.take()
             ended = False
             if forced or not data or ring.closed():
+                # The pipe first, the ring after: a record comes before its wake-up byte and before
+                # the end of file, so what the drain ate a byte or the end of file for is taken here.
                 self._read_at = now
                 ended = self._drain()
+                data += ring.take()
                 if not (data or ended) and wait_s > 0 and self._wait(wait_s):
                     self._seen = COUNTER.unpack_from(ring.page)[0]
-                    data = ring.take()
                     ended = self._drain()
+                    data = ring.take()
             completions, poll = parse_whole(data) if data else ([], False)
         except DoorbellError:
             self._close_doorbell()

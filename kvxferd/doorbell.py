@@ -232,7 +232,9 @@ class Doorbell:
             os.write(self.fd, RING)
         except BlockingIOError:
             pass  # a full pipe wakes a waiting engine already
-        except OSError as exc:  # EPIPE: the engine closed its end, and no longer reads the ring either
+        except OSError as exc:  # EPIPE: the engine closed its end, and with it the ring (the client does both)
+            # Queued as well: an engine that never mapped the ring finds it by poll. One that closed
+            # its pipe and kept reading its ring would see it twice; losing it would be worse.
             log.info("%s: doorbell closed by the engine (%s); it polls without it", self.owner, exc)
             self.close()
             return False

@@ -259,3 +259,46 @@ def test_a_real_daemon_s_failures_come_through_the_ring_in_order(tmp_path):
         daemon.stop()
         os.close(fd)
         mm.close()
+
+
+def _racing(engine: EngineClient, daemon_side) -> None:
+    """The daemon acts between the step's first look at the ring and its read of the pipe (once)."""
+    drain, pending = engine._drain, [daemon_side]
+
+    def racing() -> bool:
+        while pending:
+            pending.pop()()
+        return drain()
+
+    engine._drain = racing  # type: ignore[method-assign]
+
+
+def test_a_record_written_just_before_the_daemon_closes_is_not_lost(ring):
+    """The end of file the drain finds may follow a record the ring did not hold a moment
+    before: the step takes the ring again after the pipe, and nothing lands after an end of file."""
+    bell, engine, _ = ring
+    assert engine.pushed() == ([], False)
+    _racing(engine, lambda: (bell.push(done(1)), bell.close()))
+    assert engine.pushed(force=True) == ([done(1)], True) and engine.doorbell is None
+
+
+def test_a_wait_does_not_sleep_past_a_record_whose_wake_up_the_drain_took(ring):
+    bell, engine, _ = ring
+    assert engine.pushed() == ([], False)
+    _racing(engine, lambda: bell.push(done(1)))
+    started = time.monotonic()
+    assert engine.pushed(wait_s=5.0) == ([done(1)], False)
+    assert time.monotonic() - started < 2.5  # it did not sleep the wait out
+
+
+def test_a_page_that_is_no_doorbell_page_is_refused_by_name():
+    r, w = os.pipe()
+    unsealed = os.memfd_create("x")
+    os.ftruncate(unsealed, D.RING_PAGE)
+    try:
+        with pytest.raises(ValueError, match="not a sealed doorbell page"):
+            EngineClient.of_doorbell(r, unsealed, ring=True)
+        with pytest.raises(OSError):
+            os.fstat(r)  # closed with the refusal
+    finally:
+        os.close(w)

@@ -201,6 +201,8 @@ def _floor(steps: int) -> list[Row]:
                            ("in one process, caches flushed before each read", True)):
         for name, counter, ring in MECHANISMS:
             bell, fds = Doorbell.make(records=True, counter=counter, ring=ring)
+            if len(fds) != 1 + counter:
+                raise RuntimeError(f"{name}: the doorbell's page could not be made (no fd left?)")
             engine = EngineClient.of_doorbell(fds[0], fds[1] if counter else None, ring=ring)
             write, read, idle = [], [], []
             for _ in range(steps):
