@@ -20,6 +20,9 @@ Targets (each must only return or raise the documented error; anything else is a
                   held request (bounds, bytes, unaligned)       row (never a read outside it)
     plan_budget   peers of any page size over caches of up    -> PlanError, GeometryError, or
                   to 2^31 blocks: counted, never built          counts that are whole and >= 0
+    doorbell      what an engine reads from its daemon's      -> DoorbellError
+                  doorbell: pipe bytes cut anywhere, and a
+                  ring page of any head, tail and bytes
 
 The `cov`/`ft` columns count instrumented Python edges and features; msgspec's decoders are C,
 which atheris does not see, so `request` and `side_channel` mutate their seeds without coverage
@@ -42,6 +45,7 @@ with atheris.instrument_imports(include=["kvxferd", "msgspec"]):
     import msgspec
     import numpy as np
 
+    from kvxferd import doorbell as D
     from kvxferd import handshake as hs
     from kvxferd import integrity
     from kvxferd import protocol as P
@@ -222,6 +226,39 @@ def fuzz_plan_budget(data: bytes) -> None:
     assert bool(over_budget(plan, budget)) == (total > budget)
 
 
+def fuzz_doorbell(data: bytes) -> None:
+    """The first byte cuts the pipe's bytes in two reads; the first 16 are also the engine's tail
+    and the daemon's head (as offsets from it), the rest the ring's bytes from the tail on."""
+    import mmap
+
+    records = D.Records()
+    cut = data[0] % (len(data) + 1) if data else 0
+    try:
+        for chunk in (data[:cut], data[cut:]):
+            out, _ = records.feed(chunk)
+            assert all(isinstance(c, P.Completion) for c in out)
+    except D.DoorbellError:
+        pass
+    page = mmap.mmap(-1, D.RING_PAGE)
+    reader = D.RingReader(page)
+    reader.tail = int.from_bytes(data[:8], "little") % (1 << 48)
+    head = reader.tail + int.from_bytes(data[8:16], "little", signed=True) % (2 * D.RING_BYTES) - D.RING_BYTES // 2
+    D.U64.pack_into(page, D.RING_HEAD, head % (1 << 64))
+    body = data[16:16 + D.RING_BYTES]
+    at = reader.tail % D.RING_BYTES
+    first = body[:D.RING_BYTES - at]
+    page[D.RING_DATA + at:D.RING_DATA + at + len(first)] = first
+    page[D.RING_DATA:D.RING_DATA + len(body) - len(first)] = body[len(first):]
+    try:
+        taken = reader.take()
+        assert len(taken) <= D.RING_BYTES
+        D.parse_whole(taken)
+    except D.DoorbellError:
+        pass
+    finally:
+        page.close()
+
+
 def seeds(target: str) -> list[bytes]:
     """Valid inputs to start from: mutations of real messages reach deeper than random bytes."""
     enc = msgspec.msgpack.encode
@@ -241,12 +278,17 @@ def seeds(target: str) -> list[bytes]:
                 enc(hs.AuditReply(True, digests=b"\0" * 16, reused=[[1]])),
                 enc(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill")), enc(hs.ProbeReply(True, epoch="e")),
                 enc(hs.Notification("prefill", 0, "r", 2))]
+    if target == "doorbell":
+        record = D.HEADER.pack(0) + b"".join(
+            D.HEADER.pack(len(b)) + b for b in (enc(P.Completion("r", "received", nbytes=1 << 20, seconds=0.1)),
+                                                enc(P.Completion("s", "failed", [[1, 2, 3]], "deadline"))))
+        return [bytes(16) + record, bytes(8) + len(record).to_bytes(8, "little") + record]
     return []
 
 
 TARGETS = {"request": fuzz_request, "side_channel": fuzz_side_channel, "frames": fuzz_frames,
            "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows, "audit": fuzz_audit,
-           "plan_budget": fuzz_plan_budget}
+           "plan_budget": fuzz_plan_budget, "doorbell": fuzz_doorbell}
 
 
 def run_all(seconds: int) -> None:

@@ -66,7 +66,10 @@ def _fds_message(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
 
 
 def _reply(body: bytes, expect: type[R]) -> R:
-    reply = P.reply_decoder.decode(body)
+    try:
+        reply = P.reply_decoder.decode(body)
+    except P.DECODE_ERRORS as exc:  # not only msgspec's own: a string that is not UTF-8 raises UnicodeDecodeError
+        raise FrameError(f"undecodable reply: {exc}") from None
     if isinstance(reply, P.Error):
         raise DaemonError(reply.code, reply.message)
     if not isinstance(reply, expect):

@@ -397,7 +397,7 @@ def _parse(buf: memoryview) -> tuple[list[P.Completion], bool, int]:
         else:
             try:
                 out.append(_decoder.decode(buf[start:start + n]))
-            except msgspec.DecodeError as exc:
+            except P.DECODE_ERRORS as exc:  # UnicodeDecodeError too: a string that is not UTF-8
                 raise DoorbellError(f"undecodable record: {exc}") from None
         at = start + n
     return out, poll, at

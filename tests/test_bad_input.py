@@ -88,6 +88,70 @@ def test_handshake_decoders_random_bytes(data):
             pass
 
 
+def _mutated_replies():
+    """Real replies with bytes changed: deeper than random bytes (a string that is not UTF-8 among
+    them, which msgspec reports as UnicodeDecodeError, not as its own DecodeError)."""
+    enc = msgspec.msgpack.encode
+    done = [P.Completion("r", "received", nbytes=1), P.Completion("s", "failed", [[1]])]
+    real = [enc(r) for r in (P.Welcome(10, "kvxferd"), P.Ok(), P.Error("version", "no"), P.Completions(done))]
+    return st.tuples(st.sampled_from(real), st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4)
+                     ).map(lambda t: bytes(_poke(bytearray(t[0]), t[1])))
+
+
+def _poke(data: bytearray, edits: list[tuple[int, int]]) -> bytearray:
+    for at, value in edits:
+        if data:
+            data[at % len(data)] = value
+    return data
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=200) | _mutated_replies())
+def test_a_daemon_s_reply_of_any_bytes_is_a_reply_or_a_frame_error(data):
+    """What the engine's client makes of a reply: the reply, the daemon's refusal, or FrameError
+    (the worker treats the connection as lost); never another exception into the engine."""
+    from kvxferd.client import _reply
+
+    try:
+        _reply(data, P.Completions)
+    except (FrameError, DaemonError):
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300) | _mutated_replies().map(lambda b: struct.pack("<I", len(b)) + b),
+       st.integers(0, 300), st.integers(0, 1 << 48), st.integers(-(1 << 17), 1 << 17))
+def test_what_a_doorbell_brings_is_records_or_a_doorbell_error(data, cut, tail, ahead):
+    """The engine's side of the doorbell, from a daemon that writes anything: pipe bytes cut
+    anywhere, and a ring whose head is anywhere near the engine's tail (fuzz target `doorbell`)."""
+    import mmap
+
+    from kvxferd import doorbell as D
+
+    try:
+        records = D.Records()
+        for chunk in (data[:cut], data[cut:]):
+            assert all(isinstance(c, P.Completion) for c in records.feed(chunk)[0])
+    except D.DoorbellError:
+        pass
+    page = mmap.mmap(-1, D.RING_PAGE)
+    try:
+        reader = D.RingReader(page)
+        reader.tail = tail
+        D.U64.pack_into(page, D.RING_HEAD, max(tail + ahead, 0))
+        at = tail % D.RING_BYTES
+        for i, byte in enumerate(data):  # from the tail on, wrapping as the daemon writes
+            page[D.RING_DATA + (at + i) % D.RING_BYTES] = byte
+        try:
+            taken = reader.take()
+            assert len(taken) <= D.RING_BYTES and reader.tail == max(tail + ahead, 0)
+            D.parse_whole(taken)
+        except D.DoorbellError:
+            pass
+    finally:
+        page.close()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 3))
 def test_frame_reader_any_chunking(chunks, cut):

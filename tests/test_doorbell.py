@@ -265,6 +265,8 @@ def test_records_cut_anywhere_by_a_read_are_put_back_together():
     (struct.pack("<I", 1 << 31) + b"x", "announced"),
     (struct.pack("<I", 4093), "announced"),
     (struct.pack("<I", 3) + b"\xc1\xc1\xc1", "undecodable"),
+    # a request id that is not UTF-8: msgspec raises UnicodeDecodeError, not its own DecodeError
+    (records(P.Completion("xy", "sent")).replace(b"\xa2xy", b"\xa2\xb3\xe9"), "undecodable"),
     (records(P.Completion("a", "sent"))[:-1], ""),
 ])
 def test_what_is_not_a_record_is_refused_by_name(data, why):
