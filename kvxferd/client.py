@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import mmap
 import os
 import select
 import socket
@@ -27,7 +26,17 @@ import msgspec
 import numpy as np
 
 from . import protocol as P
-from .doorbell import COUNTER, DoorbellError, PipeReader, Records, RingReader, map_counter, map_ring, parse_whole
+from .doorbell import (
+    WRITES,
+    DoorbellError,
+    PipeReader,
+    Records,
+    RingReader,
+    SharedWords,
+    map_counter,
+    map_ring,
+    parse_whole,
+)
 from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
@@ -233,14 +242,20 @@ Order = P.Hold | P.Read | P.Expect
 
 def _settle(todo: list[int], results: P.Results, out: list[DaemonError | None]) -> list[int]:
     """Record the outcomes of the orders `todo` named; return those a refused batch left
-    unapplied (a daemon applies a batch all or nothing: P.NOT_APPLIED marks the innocent)."""
+    unapplied (a daemon applies a batch all or nothing: P.NOT_APPLIED marks the innocent). An
+    answer that is not one result per order, or that holds every order back and refuses none,
+    is no daemon's: FrameError (an order it left unanswered must not pass for accepted)."""
+    if len(results.items) != len(todo):
+        raise FrameError(f"daemon answered {len(results.items)} results to a batch of {len(todo)}")
     again = []
-    for i, r in zip(todo, results.items):
+    for i, r in zip(todo, results.items, strict=True):
         if isinstance(r, P.Error) and r.message.startswith(P.NOT_APPLIED):
             again.append(i)
         else:
             out[i] = DaemonError(r.code, r.message) if isinstance(r, P.Error) else None
-    return again if len(again) < len(todo) else []  # each round settles one refusal at least
+    if len(again) == len(todo):
+        raise FrameError(f"daemon held back all {len(todo)} orders of a batch and refused none")
+    return again  # each round settles one refusal at least
 
 
 def _each_applied(orders: Sequence[Order], send: Callable[[list[Order]], P.Results]) -> list[DaemonError | None]:
@@ -288,7 +303,7 @@ class EngineClient:
         self.doorbell: int | None = None  # doorbell pipe's read end (see doorbell.py)
         self._bell: select.poll | None = None  # watches `doorbell`
         self._pipe = PipeReader(READ_BYTES)  # reads the doorbell
-        self._counter: mmap.mmap | None = None  # the doorbell's counter page (protocol 9), read-only
+        self._counter: SharedWords | None = None  # the doorbell's counter page (protocol 9), read-only
         self._ring: RingReader | None = None  # or its ring page (protocol 10), whose first bytes count
         self._seen = 0  # the counter when the pipe was last read
         self._more = False  # the last read stopped at MAX_READS: the pipe may hold more
@@ -381,7 +396,7 @@ class EngineClient:
         if self._ring is not None:
             return self._from_ring(self._ring, wait_s, force)
         if self._counter is not None:  # protocol 9: nothing written since the last read, nothing to read
-            count = COUNTER.unpack_from(self._counter)[0]
+            count = self._counter.w[WRITES]
             now = _clock()
             if count == self._seen and not (self._more or force or wait_s > 0) and now < self._read_at + FORCED_READ_S:
                 return [], False
@@ -419,7 +434,7 @@ class EngineClient:
         bytes only wake a waiting engine, is read once the daemon says it closed it, when the count
         moved and the ring held nothing, before a wait, and at least every FORCED_READ_S (a daemon
         killed before it could say so)."""
-        count = COUNTER.unpack_from(ring.page)[0]
+        count = ring.w[WRITES]
         now = _clock()
         forced = force or now >= self._read_at + FORCED_READ_S
         if count == self._seen and not forced and wait_s <= 0:
@@ -435,7 +450,7 @@ class EngineClient:
                 ended = self._drain()
                 data += ring.take()
                 if not (data or ended) and wait_s > 0 and self._wait(wait_s):
-                    self._seen = COUNTER.unpack_from(ring.page)[0]
+                    self._seen = ring.w[WRITES]
                     ended = self._drain()
                     data = ring.take()
             completions, poll = parse_whole(data) if data else ([], False)

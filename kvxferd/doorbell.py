@@ -40,9 +40,10 @@ counter, then a byte into the pipe (its wake-up: an engine waiting on the pipe i
 end-of-file when the daemon goes, still come through the pipe; the bytes mean nothing else). The
 engine copies `tail..head` out, then stores `tail`. The daemon reads `tail` only to learn how much
 room the ring has, bounded by what it wrote: an engine that lies about it loses its own records,
-nothing else. Stores land in program order only where the CPU keeps them so (x86's total store
-order; Python has no fences), so the daemon offers a ring on x86 hosts only, a counter page
-elsewhere. The poll marker goes into the ring too, in room every record leaves for it.
+nothing else. Every field is stored and loaded whole, one 8-byte move (`SharedWords`), and the
+stores land in program order only where the CPU keeps them so (x86's total store order; Python
+has no fences), so the daemon offers a ring on x86 hosts only, a counter page elsewhere. The
+poll marker goes into the ring too, in room every record leaves for it.
 
 A completion goes to the queue instead (and the marker into the pipe or the ring, once, until
 the engine polls) when its record is larger than PIPE_BUF, when the pipe already holds a quarter
@@ -66,6 +67,7 @@ import platform
 import select
 import stat
 import struct
+import sys
 import termios
 
 import msgspec
@@ -78,12 +80,16 @@ HEADER = struct.Struct("<I")
 MAX_RECORD = select.PIPE_BUF  # header included: a larger write to a pipe may be split
 POLL_MARKER = HEADER.pack(0)
 RING = b"\x01"
-COUNTER = struct.Struct("<Q")  # the counter page's first bytes (protocol 9)
 COUNTER_PAGE = mmap.PAGESIZE
-U64 = COUNTER
-RING_HEAD, RING_CLOSED, RING_TAIL = 8, 16, 64  # the ring page's fields (protocol 10; the module's diagram)
+# The pages' u64 fields, as indices of 8-byte words (byte offsets in the module's diagram): loaded
+# and stored only through `SharedWords`, whole.
+WRITES, HEAD, CLOSED, TAIL = 0, 1, 2, 8
+RING_HEAD, RING_CLOSED, RING_TAIL = 8 * HEAD, 8 * CLOSED, 8 * TAIL
 RING_DATA, RING_PAGE = 4096, 1 << 16  # fixed, whatever the host's page size: the layout is the protocol's
 RING_BYTES = RING_PAGE - RING_DATA
+# The fields are stored in the host's order, which the protocol says is little-endian: other hosts
+# get no page (their engines read the pipe every step).
+PAGES = sys.byteorder == "little"
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1: no new writable mapping
 
 _encoder = msgspec.msgpack.Encoder()
@@ -98,6 +104,22 @@ class DoorbellError(ConnectionError):
 def queued_bytes(fd: int) -> int:
     """Bytes written to a pipe and not yet read (FIONREAD works on either end)."""
     return int(HEADER.unpack(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+
+
+class SharedWords:
+    """A shared page's u64 fields and the mapping under them. Each field is loaded and stored with
+    one aligned 8-byte move (a native memoryview item), so a process reading it meanwhile sees
+    the old value or the new one: `struct.pack_into` zeroes a field's bytes before it writes them
+    and `unpack_from` reads a byte at a time, either of which another process could catch half
+    done (a ring's `head` read as 0 is no daemon's)."""
+
+    def __init__(self, page: mmap.mmap, nbytes: int) -> None:
+        self.page = page
+        self.w = memoryview(page)[:nbytes].cast("Q")  # w[WRITES], w[HEAD], ...: one load or store each
+
+    def close(self) -> None:
+        self.w.release()  # first: a mapping with views on it cannot close
+        self.page.close()
 
 
 def counter_page() -> tuple[int, mmap.mmap]:
@@ -146,7 +168,7 @@ class Doorbell:
         self.fd, self.records, self.owner = write_end, records, owner  # owner: whose, for the logs
         self.budget = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // 4
         self.told = False
-        self.counter = counter
+        self.counter = None if counter is None else SharedWords(counter, RING_DATA if ring else COUNTER_PAGE)
         self.writes = 0  # what the counter says: the daemon's own count, never read back from the page
         self.ring = ring and records and counter is not None and len(counter) >= RING_PAGE
         self.head = self.tail = 0  # the ring's: bytes written, and taken as far as the daemon knows
@@ -161,7 +183,7 @@ class Doorbell:
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         page = None
         fds = [read_end]
-        if counter:
+        if counter and PAGES:
             try:
                 page_fd, page = ring_page() if ring else counter_page()
                 fds.append(page_fd)
@@ -173,7 +195,7 @@ class Doorbell:
         """After each write to the pipe or the ring, and at its close: the engine's next check reads it."""
         if self.counter is not None:
             self.writes += 1
-            COUNTER.pack_into(self.counter, 0, self.writes)
+            self.counter.w[WRITES] = self.writes
 
     def push(self, c: P.Completion) -> bool:
         """Records mode: write `c` into the ring or the pipe. False: it goes to the queue (see the module)."""
@@ -213,9 +235,9 @@ class Doorbell:
     def _into_ring(self, record: bytes, room_after: int) -> bool:
         """Protocol 10: `record` into the ring if it fits with `room_after` bytes to spare (a
         record leaves room for the marker), then its wake-up byte into the pipe."""
-        page = self.counter
-        assert page is not None
-        taken = U64.unpack_from(page, RING_TAIL)[0]  # the engine's word: believed within what was written
+        assert self.counter is not None
+        page, w = self.counter.page, self.counter.w
+        taken = w[TAIL]  # the engine's word: believed within what was written
         if self.tail <= taken <= self.head:
             self.tail = taken
         if self.head - self.tail + len(record) + room_after > RING_BYTES:
@@ -226,7 +248,7 @@ class Doorbell:
         if first < len(record):  # wraps: the rest at the ring's start
             page[RING_DATA:RING_DATA + len(record) - first] = record[first:]
         self.head += len(record)
-        U64.pack_into(page, RING_HEAD, self.head)
+        w[HEAD] = self.head
         self._bump()
         try:
             os.write(self.fd, RING)
@@ -257,7 +279,7 @@ class Doorbell:
             os.close(self.fd)
             self.fd = -1
         if self.ring and self.counter is not None:  # a step that finds records behind the bump reads the pipe too
-            U64.pack_into(self.counter, RING_CLOSED, 1)
+            self.counter.w[CLOSED] = 1
         if self.counter is not None:
             self._bump()  # the engine reads end-of-file, and polls from then on
             self.counter.close()
@@ -316,11 +338,12 @@ class PipeReader:
         raise OSError(err, os.strerror(err))
 
 
-def map_counter(fd: int) -> mmap.mmap | None:
+def map_counter(fd: int) -> SharedWords | None:
     """The engine's read-only mapping of a counter page, its memfd closed; None (the engine reads
     the pipe every step) when `fd` is not a page sealed against shrinking: one that could shrink
     would let whoever holds it kill the engine with SIGBUS at its next check."""
-    return _map_page(fd, COUNTER.size, mmap.PROT_READ)
+    page = _map_page(fd, 8, mmap.PROT_READ)
+    return None if page is None else SharedWords(page, 8)
 
 
 def map_ring(fd: int) -> RingReader | None:
@@ -350,13 +373,14 @@ class RingReader:
     against it: a head that ran backwards or more than a ring ahead is not the daemon's."""
 
     def __init__(self, page: mmap.mmap) -> None:
-        self.page = page  # its first 8 bytes are the counter
+        self.fields = SharedWords(page, RING_DATA)
+        self.page, self.w = page, self.fields.w  # w[WRITES] is the counter
         self.tail = 0
 
     def take(self) -> bytes:
         """The bytes of whole records between the engine's tail and the daemon's head (b"": none)."""
         page = self.page
-        head = U64.unpack_from(page, RING_HEAD)[0]
+        head = self.w[HEAD]
         n = head - self.tail
         if n == 0:
             return b""
@@ -368,15 +392,15 @@ class RingReader:
         else:  # wrapped: the rest at the ring's start
             data = page[at:] + page[RING_DATA:RING_DATA + n - (RING_PAGE - at)]
         self.tail = head
-        U64.pack_into(page, RING_TAIL, head)  # after the copy: the daemon may write over them now
+        self.w[TAIL] = head  # after the copy: the daemon may write over them now
         return data
 
     def closed(self) -> bool:
         """The daemon says it closed its end: the pipe's end of file is there to read."""
-        return U64.unpack_from(self.page, RING_CLOSED)[0] != 0
+        return self.w[CLOSED] != 0
 
     def close(self) -> None:
-        self.page.close()
+        self.fields.close()
 
 
 def _parse(buf: memoryview) -> tuple[list[P.Completion], bool, int]:

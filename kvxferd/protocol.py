@@ -407,7 +407,10 @@ Reply = Welcome | Registered | Ok | Completions | StatusReply | Error | Results
 # What decoding untrusted bytes may raise (msgspec reports bad UTF-8 as UnicodeDecodeError).
 NOT_APPLIED = "not applied: "  # starts the error of a batch item held back because another was refused
 
-DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+# What decoding untrusted bytes raises: msgspec's own errors, UnicodeDecodeError for a string that
+# is not UTF-8, and RecursionError for containers nested deeper than the interpreter's limit (an
+# unknown field is skipped recursively: 3 KB of brackets is enough).
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)

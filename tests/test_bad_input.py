@@ -118,8 +118,22 @@ def test_a_daemon_s_reply_of_any_bytes_is_a_reply_or_a_frame_error(data):
         pass
 
 
+def _mutated_records():
+    """Doorbell records (a completion's, a failure's, the marker) with bytes changed, and one whose
+    request id is not UTF-8."""
+    def framed(c: P.Completion) -> bytes:
+        body = msgspec.msgpack.encode(c)
+        return struct.pack("<I", len(body)) + body
+
+    real = [framed(P.Completion("r", "received", nbytes=1 << 20, seconds=0.1)) + struct.pack("<I", 0),
+            framed(P.Completion("s", "failed", [[1, 2, 3]], "deadline")),
+            framed(P.Completion("xy", "sent")).replace(b"\xa2xy", b"\xa1\xff") + b"\0"]  # not UTF-8
+    return st.tuples(st.sampled_from(real), st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=3)
+                     ).map(lambda t: bytes(_poke(bytearray(t[0]), t[1])))
+
+
 @settings(max_examples=400, deadline=None)
-@given(st.binary(max_size=300) | _mutated_replies().map(lambda b: struct.pack("<I", len(b)) + b),
+@given(st.binary(max_size=300) | _mutated_records(),
        st.integers(0, 300), st.integers(0, 1 << 48), st.integers(-(1 << 17), 1 << 17))
 def test_what_a_doorbell_brings_is_records_or_a_doorbell_error(data, cut, tail, ahead):
     """The engine's side of the doorbell, from a daemon that writes anything: pipe bytes cut
@@ -135,10 +149,10 @@ def test_what_a_doorbell_brings_is_records_or_a_doorbell_error(data, cut, tail, 
     except D.DoorbellError:
         pass
     page = mmap.mmap(-1, D.RING_PAGE)
+    reader = D.RingReader(page)
     try:
-        reader = D.RingReader(page)
         reader.tail = tail
-        D.U64.pack_into(page, D.RING_HEAD, max(tail + ahead, 0))
+        reader.w[D.HEAD] = max(tail + ahead, 0)
         at = tail % D.RING_BYTES
         for i, byte in enumerate(data):  # from the tail on, wrapping as the daemon writes
             page[D.RING_DATA + (at + i) % D.RING_BYTES] = byte
@@ -149,7 +163,23 @@ def test_what_a_doorbell_brings_is_records_or_a_doorbell_error(data, cut, tail, 
         except D.DoorbellError:
             pass
     finally:
-        page.close()
+        reader.close()
+
+
+def test_containers_nested_past_the_interpreter_s_limit_are_refused_by_name():
+    """A few KB of nested arrays in a field nobody knows: msgspec skips it recursively and raises
+    RecursionError, which every decoder of untrusted bytes reports as what it is."""
+    from kvxferd import doorbell as D
+    from kvxferd.client import _reply
+
+    deep = b"\x82\xaarequest_id\xa1r\xa1x" + b"\x91" * 3000 + b"\x90"
+    with pytest.raises(DECODE_ERRORS):
+        P.request_decoder.decode(deep)
+    with pytest.raises(FrameError, match="undecodable reply"):
+        _reply(deep, P.Completions)
+    with pytest.raises(D.DoorbellError, match="undecodable record"):
+        D.Records().feed(struct.pack("<I", len(deep)) + deep)
+    assert hs.decode_notification(b"\x84\xa6engine\xa1p\xa1x" + b"\x91" * 3000 + b"\x90") is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -456,3 +486,16 @@ def test_daemon_still_serves_after_all_of_the_above(cluster):
         out = cluster.transfer(seq, num_tokens=45, hit_tokens=16)
         assert out["status"] == "received" and out["released"] == ["sent"]
     assert cluster.daemons[1].proc.poll() is None and cluster.daemons[0].proc.poll() is None
+
+
+@pytest.mark.parametrize("items, why", [
+    ([P.Ok()], "1 results to a batch of 2"),
+    ([P.Ok(), P.Ok(), P.Ok()], "3 results to a batch of 2"),
+    ([P.Error("bad_request", P.NOT_APPLIED + "x")] * 2, "held back all 2 orders"),
+])
+def test_a_batch_answer_that_is_not_one_result_per_order_is_a_frame_error(items, why):
+    """From a daemon that answers a batch wrongly, no order passes for accepted unanswered."""
+    from kvxferd.client import _each_applied
+
+    with pytest.raises(FrameError, match=why):
+        _each_applied([P.Expect("e", 0, "a", P.RemoteRef("p", "h", 1, 1, "a"))] * 2, lambda todo: P.Results(items))

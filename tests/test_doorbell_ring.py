@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import signal
 import struct
 import threading
 import time
@@ -19,14 +20,13 @@ import kvxferd.client as client_mod
 from kvxferd import doorbell as D
 from kvxferd import protocol as P
 from kvxferd.client import EngineClient
-from kvxferd.doorbell import RING_BYTES, RING_HEAD, RING_TAIL, Doorbell, DoorbellError, queued_bytes
+from kvxferd.doorbell import HEAD, RING_BYTES, TAIL, Doorbell, DoorbellError, queued_bytes
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
 
 pytestmark = pytest.mark.skipif(not D.ring_supported(), reason="the daemon offers a ring on x86 hosts only")
 
-U64 = struct.Struct("<Q")
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_records_come_from_the_ring_without_reading_the_pipe(ring):
     assert engine.pushed() == (sent, False)
     assert queued_bytes(engine.doorbell) == woken  # the records came from memory: the pipe was not read
     assert engine.pushed() == ([], False)
-    assert U64.unpack_from(bell.counter, RING_TAIL)[0] == bell.head  # the engine said how far it took
+    assert bell.counter is not None and bell.counter.w[TAIL] == bell.head  # the engine said how far it took
 
 
 def test_records_that_wrap_past_the_ring_s_end_arrive_whole_and_in_order(ring):
@@ -100,12 +100,12 @@ def test_an_engine_that_lies_about_its_tail_only_loses_its_own_records(ring):
     past the head frees nothing unwritten, one that runs back takes nothing back."""
     bell, engine, _ = ring
     assert bell.push(done(1)) and bell.push(done(2))
-    U64.pack_into(engine._ring.page, RING_TAIL, 1 << 63)  # past anything written
+    engine._ring.w[TAIL] = 1 << 63  # past anything written
     assert bell.push(done(3)) and bell.tail == 0
     assert engine.pushed()[0] == [done(1), done(2), done(3)]
     taken = bell.head
     assert bell.push(done(4)) and bell.tail == taken  # the engine's true word is believed
-    U64.pack_into(engine._ring.page, RING_TAIL, 0)  # back to the start
+    engine._ring.w[TAIL] = 0  # back to the start
     assert bell.push(done(5)) and bell.tail == taken
     assert engine.pushed()[0] == [done(4), done(5)]
 
@@ -115,12 +115,12 @@ def test_a_head_that_is_not_the_daemon_s_is_a_lost_connection(ring, head):
     bell, engine, _ = ring
     assert bell.push(done(1))
     assert engine.pushed()[0] == [done(1)]
-    page = engine._ring.page
-    at = U64.unpack_from(page, RING_HEAD)[0]
-    U64.pack_into(page, RING_HEAD, {"past a ring": at + RING_BYTES + 1, "backwards": at - 1, "mid-record": at}[head])
+    page, w = engine._ring.page, engine._ring.w
+    at = w[HEAD]
+    w[HEAD] = {"past a ring": at + RING_BYTES + 1, "backwards": at - 1, "mid-record": at}[head]
     if head == "mid-record":  # a header announcing more than the head covers
         page[D.RING_DATA + at:D.RING_DATA + at + 4] = struct.pack("<I", 40)
-        U64.pack_into(page, RING_HEAD, at + 10)
+        w[HEAD] = at + 10
     bell._bump()
     with pytest.raises(DoorbellError):
         engine.pushed()
@@ -141,7 +141,8 @@ def test_a_close_alone_moves_the_count_and_ends_the_doorbell(ring):
     assert engine.pushed() == ([], True) and engine.doorbell is None
 
 
-def test_a_daemon_killed_before_its_bump_is_found_by_the_forced_read(ring):
+def test_a_daemon_killed_after_its_last_record_is_found_by_the_forced_read(ring):
+    """Killed (no close: `closed` never set, no last bump): the kernel closes its end all the same."""
     bell, engine, now = ring
     assert bell.push(done(1))
     os.close(bell.fd)  # killed: the kernel closes its end, nothing bumps the count
@@ -188,10 +189,11 @@ def test_the_engine_can_write_its_tail_but_never_cut_the_page():
                 os.ftruncate(page_fd, size)
         with pytest.raises(PermissionError):
             fcntl.fcntl(page_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # sealed against more seals
-        page = mmap.mmap(page_fd, D.RING_PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        page = D.SharedWords(mmap.mmap(page_fd, D.RING_PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), 4096)
         assert bell.push(done(1))
-        U64.pack_into(page, RING_TAIL, bell.head)
-        assert bell.push(done(2)) and bell.tail == bell.head - (bell.head - bell.tail)  # read back, in bounds
+        taken = bell.head
+        page.w[TAIL] = taken
+        assert bell.push(done(2)) and bell.tail == taken  # read back: the engine's own mapping writes it
         page.close()
     finally:
         bell.close()
@@ -302,3 +304,53 @@ def test_a_page_that_is_no_doorbell_page_is_refused_by_name():
             os.fstat(r)  # closed with the refusal
     finally:
         os.close(w)
+
+
+def test_a_head_stored_without_its_bump_is_found_by_the_forced_read(ring):
+    """A daemon killed between a record's `head` and its bump: the count says nothing new, the
+    forced read takes the record all the same."""
+    bell, engine, now = ring
+    assert engine.pushed() == ([], False)
+    bell._bump = lambda: None  # type: ignore[method-assign]
+    assert bell.push(done(1))
+    assert engine.pushed() == ([], False)
+    now[0] += client_mod.FORCED_READ_S
+    assert engine.pushed() == ([done(1)], False)
+
+
+def test_fields_another_process_stores_are_never_read_half_written():
+    """Two processes, as deployed: the daemon's side pushes records as fast as the ring has room
+    while the engine's reader takes them as fast as it can. Each u64 field must be read whole:
+    with `struct.pack_into` (which zeroes a field before it writes it) and `unpack_from` (a byte at
+    a time) the reader caught `head` as 0 within ~9,000 takes here, and ended a healthy doorbell."""
+    n = 100_000
+    bell, (read_end, page_fd) = Doorbell.make(records=True, counter=True, ring=True)
+    reader = D.map_ring(page_fd)
+    assert reader is not None
+    pid = os.fork()
+    if pid == 0:  # the daemon's side
+        code = 1
+        try:
+            for i in range(n):
+                while not bell.push(done(i)):  # the ring is full: the reader takes, then there is room
+                    pass
+            code = 0
+        finally:
+            os._exit(code)
+    got: list[P.Completion] = []
+    reaped = False
+    try:
+        end = time.monotonic() + 120
+        while len(got) < n and time.monotonic() < end:
+            got += D.parse_whole(reader.take())[0]  # a torn head raises DoorbellError here
+        assert got == [done(i) for i in range(n)]
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        if not reaped:  # stuck pushing into a ring no one takes from any more
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        reader.close()
+        os.close(read_end)
+        bell.close()
