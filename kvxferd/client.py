@@ -432,8 +432,8 @@ class EngineClient:
     def _from_ring(self, ring: RingReader, wait_s: float, force: bool) -> tuple[list[P.Completion], bool]:
         """`pushed()` with a ring (protocol 10): the records come from memory. The pipe, whose
         bytes only wake a waiting engine, is read once the daemon says it closed it, when the count
-        moved and the ring held nothing, before a wait, and at least every FORCED_READ_S (a daemon
-        killed before it could say so)."""
+        moved and the ring held nothing, before a wait, with `force`, and at least every
+        FORCED_READ_S (a daemon killed before it could say so); the ring is taken again after it."""
         count = ring.w[WRITES]
         now = _clock()
         forced = force or now >= self._read_at + FORCED_READ_S
