@@ -393,73 +393,72 @@ class EngineClient:
         bump the count closed its end all the same, and the read's end-of-file says so."""
         if self.doorbell is None:
             return [], True
-        if self._ring is not None:
-            return self._from_ring(self._ring, wait_s, force)
+        try:
+            if self._ring is not None:
+                completions, poll, ended = self._from_ring(self._ring, wait_s, force)
+            else:
+                completions, poll, ended = self._from_pipe(wait_s, force)
+        except DoorbellError:  # what it carries can no longer be trusted
+            self._close_doorbell()
+            raise
+        if ended:  # the daemon closed its end: poll from now on
+            self._close_doorbell()
+        return completions, poll or ended
+
+    def _from_pipe(self, wait_s: float, force: bool) -> tuple[list[P.Completion], bool, bool]:
+        """`pushed()` reading the pipe (protocols 5-9): (completions, poll, the end of file)."""
+        assert self.doorbell is not None
         if self._counter is not None:  # protocol 9: nothing written since the last read, nothing to read
             count = self._counter.w[WRITES]
             now = _clock()
             if count == self._seen and not (self._more or force or wait_s > 0) and now < self._read_at + FORCED_READ_S:
-                return [], False
+                return [], False, False
             self._seen = count  # read before the pipe: a write after it moves it again
             self._read_at = now
         if wait_s > 0 and not self._wait(wait_s):
-            return [], False
+            return [], False, False
         chunks, ended, self._more = [], False, True
         for _ in range(MAX_READS):  # one read, unless the pipe held more than one read's worth
             chunk = self._pipe.read(self.doorbell)
             if chunk is None:  # empty (no exception raised: the common case)
                 self._more = False
                 break
-            if not chunk:  # the daemon closed its end: poll from now on
+            if not chunk:  # the daemon closed its end
                 ended = True
                 break
             chunks.append(chunk)
             if len(chunk) < READ_BYTES:
                 self._more = False
                 break
-        completions: list[P.Completion] = []
-        poll = bool(chunks) and self._records is None
-        if self._records is not None and chunks:
-            try:
-                completions, poll = self._records.feed(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-            except DoorbellError:
-                self._close_doorbell()
-                raise
-        if ended:
-            self._close_doorbell()
-        return completions, poll or ended
+        if self._records is None or not chunks:
+            return [], bool(chunks), ended  # protocol 5-6: a byte says a poll would find some
+        return *self._records.feed(chunks[0] if len(chunks) == 1 else b"".join(chunks)), ended
 
-    def _from_ring(self, ring: RingReader, wait_s: float, force: bool) -> tuple[list[P.Completion], bool]:
+    def _from_ring(self, ring: RingReader, wait_s: float, force: bool) -> tuple[list[P.Completion], bool, bool]:
         """`pushed()` with a ring (protocol 10): the records come from memory. The pipe, whose
         bytes only wake a waiting engine, is read once the daemon says it closed it, when the count
         moved and the ring held nothing, before a wait, with `force`, and at least every
-        FORCED_READ_S (a daemon killed before it could say so); the ring is taken again after it."""
+        FORCED_READ_S (a daemon killed before it could say so); the ring is taken again after it.
+        (completions, poll, the end of file)"""
         count = ring.w[WRITES]
         now = _clock()
         forced = force or now >= self._read_at + FORCED_READ_S
         if count == self._seen and not forced and wait_s <= 0:
-            return [], False
+            return [], False, False
         self._seen = count  # read before the ring: a record after it moves it again
-        try:
-            data = ring.take()
-            ended = False
-            if forced or not data or ring.closed():
-                # The pipe first, the ring after: a record comes before its wake-up byte and before
-                # the end of file, so what the drain ate a byte or the end of file for is taken here.
-                self._read_at = now
+        data = ring.take()
+        ended = False
+        if forced or not data or ring.closed():
+            # The pipe first, the ring after: a record comes before its wake-up byte and before the
+            # end of file, so what the drain ate a byte or the end of file for is taken here.
+            self._read_at = now
+            ended = self._drain()
+            data += ring.take()
+            if not (data or ended) and wait_s > 0 and self._wait(wait_s):
+                self._seen = ring.w[WRITES]
                 ended = self._drain()
-                data += ring.take()
-                if not (data or ended) and wait_s > 0 and self._wait(wait_s):
-                    self._seen = ring.w[WRITES]
-                    ended = self._drain()
-                    data = ring.take()
-            completions, poll = parse_whole(data) if data else ([], False)
-        except DoorbellError:
-            self._close_doorbell()
-            raise
-        if ended:
-            self._close_doorbell()
-        return completions, poll or ended
+                data = ring.take()
+        return (*parse_whole(data), ended) if data else ([], False, ended)
 
     def _drain(self) -> bool:
         """Empty the pipe of wake-up bytes; True at its end of file (the daemon closed it)."""

@@ -362,7 +362,7 @@ class Daemon:
                     for fd in er.open_doorbell(records, counter, ring):
                         conn.send_with_next_reply(fd)
                     counter = er.doorbell is not None and er.doorbell.counter is not None  # a page was made
-                    ring = counter and er.doorbell is not None and er.doorbell.ring
+                    ring = er.doorbell is not None and er.doorbell.ring  # a ring implies its page
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
                                     records, counter, ring).for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
