@@ -101,7 +101,7 @@ class Daemon:
                              cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
                            cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
-                           self.leases)
+                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S))
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
@@ -229,6 +229,7 @@ class Daemon:
             held_s = self.stall.tick(now, HOUSEKEEPING_S)
             if held_s:  # before expiring: a claim that could not be answered meanwhile keeps its hold
                 self.holds.paused(held_s)
+                self.reads.paused(held_s)
                 self.stall.restart(time.monotonic())  # moving many holds on is not itself a pause
             self.holds.expire(now)
             self.leases.renew(now)

@@ -35,7 +35,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,12 +201,13 @@ class Leases:
         claims = self._claims
         return all((c := claims.get(k)) is not None and _same(c, agent) and c.covers(t, epoch) for k in keys)
 
-    async def confirm(self, keys: list[ClaimKey], t: float, deadline: float, agent: str = "",
+    async def confirm(self, keys: list[ClaimKey], t: float, deadline: Callable[[], float], agent: str = "",
                       epoch: str = "") -> str:
-        """"" once every hold is vouched for through `t`; else why not (the read fails `expired`)."""
+        """"" once every hold is vouched for through `t`; else why not (the read fails `expired`).
+        `deadline()`: the read's deadline now (a pause of this daemon moves it on)."""
         why = "no answer"
         while True:
-            now = time.monotonic()
+            now, until = time.monotonic(), deadline()
             waits: list[asyncio.Future[None]] = []
             for key in keys:
                 c = self._claims.get(key)
@@ -228,12 +229,12 @@ class Leases:
                 waits.append(c.asking)
             if not waits:
                 return ""
-            if now >= deadline:
+            if now >= until:
                 return f"{why} before the read's deadline"
-            await asyncio.wait(waits, timeout=deadline - now)
+            await asyncio.wait(waits, timeout=until - now)
             if any((c := self._claims.get(k)) is not None and (c.state == "pending" or c.unanswered) for k in keys):
                 # not held yet, or no answer (a refusal comes at once): not again before RETRY_S
-                await asyncio.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0)))
+                await asyncio.sleep(min(RETRY_S, max(deadline() - time.monotonic(), 0)))
 
     # --- asking ---------------------------------------------------------------
     def _queue(self, key: ClaimKey, c: Claim) -> None:

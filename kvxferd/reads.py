@@ -17,6 +17,11 @@ daemon for its digests of the same rows; its consumers are notified, and it is r
 `received`, only when every row matches and no block was reused; otherwise it fails
 "integrity" with the local blocks that hold wrong bytes.
 
+A deadline counts the daemon's running time: a pause (its loop held, the process or its host
+stopped) moves every read's deadline on by its length (`paused`), up to max_deadline_s after the
+read began, and no deadline is judged while a pause is still uncounted (`pausing`). Nothing
+could progress or be answered meanwhile; failing the reads on waking would only recompute them.
+
 Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
 deadline is reported failed and its handles are quarantined, polled until they end, and the
 engine memory they touch stays mapped and registered until then. A transfer uses its engine
@@ -81,6 +86,7 @@ _encode = msgspec.msgpack.Encoder().encode
 # as soon as the post returns DONE. Smaller reads are posted at once, and their claims leave at
 # the end of the loop turn, one request per peer for all of them.
 EARLY_CLAIM_BYTES = 1 << 20
+PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
 
 
 @dataclass
@@ -283,8 +289,10 @@ class Reads:
     def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
                  lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False,
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
-                 max_per_rank: int = 4096, leases: Leases | None = None) -> None:
+                 max_per_rank: int = 4096, leases: Leases | None = None,
+                 pausing: Callable[[float], bool] = lambda now: False) -> None:
         self._leases = leases
+        self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
         self._digester = digester or integrity.Digester()
         self._max_per_rank = max_per_rank
         self._per_rank: dict[tuple[str, int], int] = {}  # reads in flight or quarantined, by engine rank
@@ -546,7 +554,7 @@ class Reads:
         assert self._leases is not None
         try:
             keys, agent, epoch = self._vouching(t)
-            why = await self._leases.confirm(keys, t.done_at, t.deadline, agent, epoch)
+            why = await self._leases.confirm(keys, t.done_at, functools.partial(self._deadline, t), agent, epoch)
         except Exception as exc:
             self._fail_on(t, exc)
             return
@@ -668,10 +676,26 @@ class Reads:
                 self._spawn(self._audit(t))
                 return
             self._deliver(t)
-        elif now >= t.deadline:
+        elif now >= self._deadline(t, now):
             t.settle()  # before the reason says whether anything is left running
             self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; " +
                        ("memory quarantined" if t.running else "nothing was posted yet"))
+
+    def _deadline(self, t: Transfer, now: float | None = None) -> float:
+        """`t`'s deadline, judged now: not before a pause the loop is waking from is counted."""
+        now = time.monotonic() if now is None else now
+        return max(t.deadline, now + PAUSE_GRACE_S) if self._pausing(now) else t.deadline
+
+    def paused(self, seconds: float) -> None:
+        """This daemon did not run for `seconds`: that time does not count against any read's
+        deadline (up to max_deadline_s after the read began)."""
+        moved = 0
+        for t in self._in_flight.values():
+            if not t.done:
+                t.deadline = min(t.deadline + seconds, max(t.deadline, t.started + self._max_deadline_s))
+                moved += 1
+        if moved:
+            log.warning("daemon paused %.1f s: %d reads' deadlines moved on by that", seconds, moved)
 
     @property
     def busy(self) -> bool:

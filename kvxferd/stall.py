@@ -42,6 +42,12 @@ class StallWatch:
             self.arm(now)
         return held if held > LOG_AFTER_S else 0.0
 
+    def behind(self, now: float, expected_s: float) -> bool:
+        """The tick due `expected_s` after the last one is more than LOG_AFTER_S late: the loop is
+        coming out of a pause that `tick` has not counted yet (whoever runs first must not
+        judge a deadline by a clock that the pause moved on)."""
+        return now - self._last - expected_s > LOG_AFTER_S
+
     def restart(self, now: float) -> None:
         """The next tick is late from `now` on: what ran since the last tick (catching up on a
         pause) is not counted as the loop held."""

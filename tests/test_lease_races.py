@@ -211,7 +211,7 @@ def test_a_refusing_peer_is_asked_again_at_most_every_retry():
         keys = [("10.0.0.1", 5600, "prefill", 0, "req-1")]
         leases.acquire(keys)
         t = time.monotonic()
-        assert await leases.confirm(keys, t, t + 0.5)
+        assert await leases.confirm(keys, t, lambda: t + 0.5)
         assert asked <= 40, f"{asked} lease requests in 0.5 s for one read"
     asyncio.run(main())
 

@@ -96,6 +96,32 @@ def test_a_host_paused_past_the_claims_grant_keeps_the_hold():
         assert c.status(0).counters.expired == 0
 
 
+def test_a_host_paused_past_a_reads_deadline_still_delivers_it():
+    """The read's bytes arrived, its claim's answer is on its way, and the host stops (both
+    daemons) for longer than the read's deadline. A deadline counts the daemon's running time:
+    on waking the answer is still awaited, and the read is received with the request's bytes."""
+    with Cluster(SHAPE, 1, 1) as c:
+        c.transfer(0, TOKENS)  # the route exists: the read posts at once
+        blocks = c.prefill.prefill(1, TOKENS, 30.0)
+        prefill_pid, decode_pid = (d.proc.pid for d in c.daemons)
+        os.kill(prefill_pid, signal.SIGSTOP)  # first: the read's claim waits for its answer
+        try:
+            c.decode.post_read(1, TOKENS, c.remote(1), blocks, 0, 2.0)
+            time.sleep(0.5)  # the READ is done (CMA needs nothing of the stopped daemon)
+            assert c.status(1).in_flight, "the read waits for its claim's answer"
+            os.kill(decode_pid, signal.SIGSTOP)
+            try:
+                time.sleep(3.0)  # past the read's deadline
+            finally:
+                os.kill(decode_pid, signal.SIGCONT)
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        out = c.decode.finish_read(1, 10.0, c.p_shape, c.p_tp)  # verified byte for byte
+        assert out["status"] == "received", out
+        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
+        assert c.status(1).counters.expired == 0
+
+
 def test_a_read_announced_before_the_prefill_holds_keeps_the_hold_once_it_comes():
     """The decode learns of a request before the prefill engine's hold reaches its daemon (in
     vLLM the prefill answers its client before its worker's next step sends the hold): the claim

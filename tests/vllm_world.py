@@ -60,6 +60,12 @@ def daemon_status(d: DaemonProcess) -> P.Status:
         return c.status()
 
 
+def warnings(d: DaemonProcess, lines: int = 12) -> list[str]:
+    """The last warnings in a daemon's log (its stall watch's among them): what a failure needs."""
+    with open(d.log.name, errors="replace") as f:
+        return [line.rstrip() for line in f if " WARNING " in line or " ERROR " in line][-lines:]
+
+
 def wait_until(what: str, check, timeout: float, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     last = None

@@ -44,6 +44,8 @@ def _engine_main(conn: Connection[tuple[str, Any], tuple[str, tuple[Any, ...]]],
         try:
             if cmd == "decode":
                 args = (*args[:6], msgspec.msgpack.decode(args[6], type=ModelShape), *args[7:])
+            elif cmd == "finish_read":
+                args = (*args[:2], msgspec.msgpack.decode(args[2], type=ModelShape), *args[3:])
             result = getattr(eng, cmd)(*args)
             if cmd == "verify_all":
                 result = [str(m) for m in result]
@@ -99,6 +101,11 @@ class EngineProcess:
         shape = msgspec.msgpack.encode(remote_shape)
         return dict(self._call("decode", seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, shape, audit,
                                timeout=deadline_s + 60))
+
+    def finish_read(self, seq: int, timeout_s: float, remote_shape: ModelShape, remote_tp: int) -> dict[str, Any]:
+        """A posted read's outcome (`post_read`), its bytes verified as `decode` does."""
+        shape = msgspec.msgpack.encode(remote_shape)
+        return dict(self._call("finish_read", seq, timeout_s, shape, remote_tp, timeout=timeout_s + 60))
 
     def expect(self, seq: int, remote: RemoteRef) -> None:
         self._call("expect", seq, remote)

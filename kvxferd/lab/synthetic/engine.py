@@ -184,16 +184,20 @@ class SyntheticEngine:
                hit_tokens: int, deadline_s: float, remote_shape: ModelShape, audit: bool | None = None
                ) -> dict[str, Any]:
         """Read a prompt from the prefill engine, verify it byte for byte, free the blocks."""
-        local = self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, audit)
-        results = self.wait_read(seq, deadline_s + 5)
-        s, hit, _, started = self.reading.pop(seq)
+        self.post_read(seq, num_tokens, remote, remote_blocks, hit_tokens, deadline_s, audit)
+        return self.finish_read(seq, deadline_s + 5, remote_shape, remote.tp_size)
+
+    def finish_read(self, seq: int, timeout_s: float, remote_shape: ModelShape, remote_tp: int) -> dict[str, Any]:
+        """Wait for a posted read's completions, verify what arrived byte for byte, free the blocks."""
+        results = self.wait_read(seq, timeout_s)
+        s, hit, local, started = self.reading.pop(seq)
         latency = time.perf_counter() - started  # read calls -> every rank's completion
         failed = [r for r in results if r[0] != "received"]
         if failed:
             self.free(s.blocks)
             return {"status": "failed", "reason": failed[0][2], "latency_s": latency, "bytes": 0,
                     "block_ids": [r[1] for r in failed], "local_blocks": local}
-        chunks = self._chunk_tokens(remote_shape, remote.tp_size)
+        chunks = self._chunk_tokens(remote_shape, remote_tp)
         for rank in self.ranks:
             rank.download()
             testing.expect_after_read(rank.shadow, rank.geometry, s, hit, chunks, in_place=True)
