@@ -58,6 +58,7 @@ R = TypeVar("R", bound=P.Msg)
 
 LONG_POLL_MAX_S = 60.0
 HOUSEKEEPING_S = 0.05
+HOUSEKEEPING_LOG_S = 10.0  # a housekeeping turn that keeps failing is logged this often
 
 
 class Daemon:
@@ -223,19 +224,27 @@ class Daemon:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
+        logged = -HOUSEKEEPING_LOG_S
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            now = time.monotonic()
-            held_s = self.stall.tick(now, HOUSEKEEPING_S)
-            if held_s:  # before expiring: a claim that could not be answered meanwhile keeps its hold
-                self.holds.paused(held_s)
-                self.reads.paused(held_s)
-                self.stall.restart(time.monotonic())  # moving many holds on is not itself a pause
-            self.holds.expire(now)
-            self.leases.renew(now)
-            self.links.close_idle(now)
-            self.liveness.tick(now)
-            self._release_idle(now)
+            try:
+                self._housekeep(time.monotonic())
+            except Exception:  # a turn that fails must not end leases, deadlines or pause counting
+                if time.monotonic() - logged >= HOUSEKEEPING_LOG_S:
+                    logged = time.monotonic()
+                    log.exception("housekeeping failed (it runs again every %g s)", HOUSEKEEPING_S)
+
+    def _housekeep(self, now: float) -> None:
+        gap = self.stall.tick(now, HOUSEKEEPING_S)
+        if gap.held:  # before expiring: a claim that could not be answered meanwhile keeps its hold
+            self.holds.paused(gap.held)
+            self.reads.paused(gap.stopped, now)  # only the time it did not run: its own work counts
+            self.stall.restart(time.monotonic())  # moving many holds on is not itself a pause
+        self.holds.expire(now)
+        self.leases.renew(now)
+        self.links.close_idle(now)
+        self.liveness.tick(now)
+        self._release_idle(now)
 
     def _release_idle(self, now: float) -> None:
         self.peers.collect(self.reads.uses_route)

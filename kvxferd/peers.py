@@ -153,8 +153,9 @@ class Peers:
         self._retired_peers: list[Peer] = []
         self._handshakes: set[asyncio.Task[None]] = set()  # in flight; cancelled at shutdown
 
-    async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: float) -> Route:
-        """The route from `er` to the remote engine `ref` names: handshake and plan when new."""
+    async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: Callable[[], float]) -> Route:
+        """The route from `er` to the remote engine `ref` names: handshake and plan when new.
+        `deadline()`: the read's deadline now (a pause of this daemon moves it on)."""
         route = self.routes.get((peer_key(ref), er.key))
         if route is not None and route.remote_tp == ref.tp_size:
             return route
@@ -179,7 +180,7 @@ class Peers:
         """Live peers whose handshake is done (what liveness.py watches)."""
         return [p for p in self._peers.values() if p.ready.done()]
 
-    async def _peer(self, ref: P.RemoteRef, deadline: float) -> Peer:
+    async def _peer(self, ref: P.RemoteRef, deadline: Callable[[], float]) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(peer_key(ref))
         if peer is None:
@@ -189,10 +190,16 @@ class Peers:
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
             self._changed()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError()
-        await asyncio.wait_for(asyncio.shield(peer.ready), remaining)
+        ready = asyncio.shield(peer.ready)  # one read giving up leaves the handshake to the others
+        try:
+            while not ready.done():
+                remaining = deadline() - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError()
+                await asyncio.wait((ready,), timeout=remaining)
+            ready.result()  # the handshake's error, if it failed
+        finally:
+            ready.cancel()  # (done: nothing) not awaited by anyone: its error must not be left unretrieved
         return peer
 
     async def _handshake(self, peer: Peer) -> None:

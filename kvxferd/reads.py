@@ -17,10 +17,11 @@ daemon for its digests of the same rows; its consumers are notified, and it is r
 `received`, only when every row matches and no block was reused; otherwise it fails
 "integrity" with the local blocks that hold wrong bytes.
 
-A deadline counts the daemon's running time: a pause (its loop held, the process or its host
-stopped) moves every read's deadline on by its length (`paused`), up to max_deadline_s after the
-read began, and no deadline is judged while a pause is still uncounted (`pausing`). Nothing
-could progress or be answered meanwhile; failing the reads on waking would only recompute them.
+A deadline counts the daemon's running time: a pause (the process or its host stopped) moves
+each read's deadline on by what the read lived of it (`paused`), up to max_deadline_s after the
+read began, and no deadline is judged while a pause is still uncounted (`pausing`). Every wait
+of a read (handshake, claims, audit) follows `_deadline`. Nothing could progress or be answered
+meanwhile; failing the reads on waking would only recompute them.
 
 Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
 deadline is reported failed and its handles are quarantined, polled until they end, and the
@@ -42,8 +43,9 @@ import heapq
 import ipaddress
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -86,6 +88,7 @@ _encode = msgspec.msgpack.Encoder().encode
 # as soon as the post returns DONE. Smaller reads are posted at once, and their claims leave at
 # the end of the loop turn, one request per peer for all of them.
 EARLY_CLAIM_BYTES = 1 << 20
+X = TypeVar("X")
 PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
 
 
@@ -130,6 +133,7 @@ class Transfer:
     claims: list[ClaimKey] = field(default_factory=list)  # on the prefill holds it reads (leases.py)
     reading: Reading | None = None  # what it reads on `route` (`reads_on`)
     done_at: float = 0.0  # monotonic: when every READ was seen DONE
+    paused: float = 0.0  # seconds its deadline moved on for pauses of this daemon (`Reads.paused`)
 
     @property
     def key(self) -> ReadKey:
@@ -396,7 +400,7 @@ class Reads:
         """Handshake and plan first (shared with every read waiting on the same peer), then post."""
         try:
             for _ in range(attempts):
-                route = await self._peers.route(t.msg.remote, t.engine, t.deadline)
+                route = await self._peers.route(t.msg.remote, t.engine, functools.partial(self._deadline, t))
                 try:
                     self._post(t, route)
                     return
@@ -614,21 +618,20 @@ class Reads:
                 continue
             remote = remote_rows(pp, rids, t.route.links[rank].remote_region_addr)[:, :2].astype("<i8")
             request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes())
-            asked = asyncio.ensure_future(self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001)))
+            asked = asyncio.ensure_future(self._audit_answer(t, ref, request))
             try:
                 await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
                 local = local_rows(pp, lids, er.region_addr)
-                ours, seconds = await asyncio.wait_for(  # the digest thread may be busy: the deadline holds
-                    self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)),
-                    max(t.deadline - time.monotonic(), 0.001))
+                ours, seconds = await self._until_deadline(  # the digest thread may be busy: the deadline holds
+                    t, self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)))
             except BaseException:
                 asked.cancel()  # abandoned (our digest timed out, or we are cancelled): its socket closes
                 raise
             self._recorder.digested("read", int(local[:, 1].sum()), seconds)
             reply = await asked
-            while reply.retry and not t.done and time.monotonic() + AUDIT_RETRY_S < t.deadline:
+            while reply.retry and not t.done and time.monotonic() + AUDIT_RETRY_S < self._deadline(t):
                 await asyncio.sleep(AUDIT_RETRY_S)  # the read overtook the prefill's hold
-                reply = await self._peers.audit(ref, request, max(t.deadline - time.monotonic(), 0.001))
+                reply = await self._audit_answer(t, ref, request)
             if not reply.ok:
                 raise _AuditRefused(f"prefill rank {rank} refused the audit: {reply.reason}")
             theirs = np.frombuffer(reply.digests, "<u8")
@@ -643,6 +646,16 @@ class Reads:
             for g, block in zip(group[wrong].tolist(), local_block[wrong].tolist()):
                 corrupt[g].add(block)
         return [sorted(c) for c in corrupt], wrong_rows
+
+    async def _audit_answer(self, t: Transfer, ref: P.RemoteRef, request: hs.AuditRequest) -> hs.AuditReply:
+        """The prefill's answer to an audit, asked again when none came in time and a pause of
+        this daemon moved the read's deadline on meanwhile (its timer ran out while stopped)."""
+        while True:
+            try:
+                return await self._peers.audit(ref, request, max(self._deadline(t) - time.monotonic(), 0.001))
+            except hs.HandshakeError as exc:
+                if exc.reason != "timeout" or time.monotonic() >= self._deadline(t):
+                    raise
 
     # --- polling --------------------------------------------------------------
     def poll(self, now: float) -> None:
@@ -678,24 +691,48 @@ class Reads:
             self._deliver(t)
         elif now >= self._deadline(t, now):
             t.settle()  # before the reason says whether anything is left running
-            self._fail(t, "deadline", f"{t.deadline - t.started:.3g} s passed; " +
+            self._fail(t, "deadline", f"{t.msg.deadline_s:.3g} s passed" +
+                       (f" (and {t.paused:.3g} s this daemon did not run); " if t.paused else "; ") +
                        ("memory quarantined" if t.running else "nothing was posted yet"))
 
     def _deadline(self, t: Transfer, now: float | None = None) -> float:
-        """`t`'s deadline, judged now: not before a pause the loop is waking from is counted."""
+        """`t`'s deadline, judged now: not before a pause the loop is waking from is counted
+        (nor past max_deadline_s after the read began)."""
         now = time.monotonic() if now is None else now
-        return max(t.deadline, now + PAUSE_GRACE_S) if self._pausing(now) else t.deadline
+        if not self._pausing(now):
+            return t.deadline
+        return max(t.deadline, min(now + PAUSE_GRACE_S, t.started + self._max_deadline_s))
 
-    def paused(self, seconds: float) -> None:
-        """This daemon did not run for `seconds`: that time does not count against any read's
-        deadline (up to max_deadline_s after the read began)."""
+    def paused(self, seconds: float, now: float) -> None:
+        """This daemon did not run for `seconds`, up to `now`: that time does not count against
+        a read's deadline (of a read begun since, only what it lived of it), which moves on by
+        it, up to max_deadline_s after the read began."""
         moved = 0
         for t in self._in_flight.values():
-            if not t.done:
-                t.deadline = min(t.deadline + seconds, max(t.deadline, t.started + self._max_deadline_s))
-                moved += 1
+            cap = t.started + self._max_deadline_s
+            if not t.done and t.deadline < cap:
+                by = min(seconds, now - t.started, cap - t.deadline)
+                if by > 0:
+                    t.deadline += by
+                    t.paused += by
+                    moved += 1
         if moved:
             log.warning("daemon paused %.1f s: %d reads' deadlines moved on by that", seconds, moved)
+
+    async def _until_deadline(self, t: Transfer, job: Awaitable[X]) -> X:
+        """`job`'s result, waited for until `t`'s deadline as judged meanwhile (a pause moves it
+        on); TimeoutError, the job cancelled, if the deadline comes first."""
+        fut = asyncio.ensure_future(job)
+        try:
+            while not fut.done():
+                left = self._deadline(t) - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                await asyncio.wait((fut,), timeout=left)
+            return fut.result()
+        finally:
+            if not fut.done():
+                fut.cancel()
 
     @property
     def busy(self) -> bool:

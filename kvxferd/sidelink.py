@@ -85,6 +85,9 @@ class Link:
         return fut
 
     def _unanswered(self, seq: int, timeout_s: float) -> None:
+        # A reply already in the socket is taken first: waking from a pause, this timer can run
+        # before the reader task, and an answer that came is not lost to it.
+        self.take_ready()
         fut = self.waiting.pop(seq, None)
         if fut is not None and not fut.done():
             fut.set_exception(hs.HandshakeError("timeout",

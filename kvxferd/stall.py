@@ -15,6 +15,8 @@ from __future__ import annotations
 import faulthandler
 import logging
 import sys
+import time
+from typing import NamedTuple
 
 log = logging.getLogger("kvxferd")
 
@@ -23,24 +25,35 @@ DUMP_AFTER_S = 10.0  # held this long (9 to 10 s: re-armed each second): every t
 REARM_S = 1.0
 
 
+class Gap(NamedTuple):
+    """How late a housekeeping tick came, when over LOG_AFTER_S (else both 0)."""
+
+    held: float  # seconds the loop ran nothing else past the tick's time
+    stopped: float  # of them, the loop's thread off the CPU (the process or host stopped, the
+                    # GIL elsewhere): the rest is the loop's own work
+
+
 class StallWatch:
     def __init__(self, now: float, dump_after_s: float = DUMP_AFTER_S) -> None:
         self._dump_after_s = dump_after_s
         self._fd = _stderr_fd()
         self._last = now  # the last tick
+        self._cpu = time.thread_time()  # the loop thread's CPU time then
         self._armed = -REARM_S  # when faulthandler was last armed
 
-    def tick(self, now: float, expected_s: float) -> float:
-        """A housekeeping tick that meant to come `expected_s` after the last one; returns how
-        long the loop was held (over LOG_AFTER_S; else 0)."""
-        held = now - self._last - expected_s
-        self._last = now
+    def tick(self, now: float, expected_s: float, cpu: float | None = None) -> Gap:
+        """A housekeeping tick that meant to come `expected_s` after the last one: how long the
+        loop was held, and for how much of that its thread did not run (`cpu`: the thread's CPU
+        time now, read here unless given)."""
+        cpu = time.thread_time() if cpu is None else cpu
+        held, ran = now - self._last - expected_s, cpu - self._cpu
+        self._last, self._cpu = now, cpu
         if held > LOG_AFTER_S:
             log.warning("event loop held %.1f s%s", held,
                         " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
         if now - self._armed >= REARM_S:
             self.arm(now)
-        return held if held > LOG_AFTER_S else 0.0
+        return Gap(held, min(held, max(held - ran, 0.0))) if held > LOG_AFTER_S else Gap(0.0, 0.0)
 
     def behind(self, now: float, expected_s: float) -> bool:
         """The tick due `expected_s` after the last one is more than LOG_AFTER_S late: the loop is
@@ -48,10 +61,10 @@ class StallWatch:
         judge a deadline by a clock that the pause moved on)."""
         return now - self._last - expected_s > LOG_AFTER_S
 
-    def restart(self, now: float) -> None:
+    def restart(self, now: float, cpu: float | None = None) -> None:
         """The next tick is late from `now` on: what ran since the last tick (catching up on a
         pause) is not counted as the loop held."""
-        self._last = now
+        self._last, self._cpu = now, time.thread_time() if cpu is None else cpu
 
     def arm(self, now: float) -> None:
         if self._fd is None:

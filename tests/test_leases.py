@@ -97,29 +97,48 @@ def test_a_host_paused_past_the_claims_grant_keeps_the_hold():
 
 
 def test_a_host_paused_past_a_reads_deadline_still_delivers_it():
-    """The read's bytes arrived, its claim's answer is on its way, and the host stops (both
-    daemons) for longer than the read's deadline. A deadline counts the daemon's running time:
-    on waking the answer is still awaited, and the read is received with the request's bytes."""
-    with Cluster(SHAPE, 1, 1) as c:
+    """A read's bytes arrived, and it waits for the prefill daemon to vouch for them: the
+    prefill engine's hold is not at its daemon yet (in vLLM the prefill answers its client a
+    step before its worker sends the hold). The host then stops both daemons for longer than the
+    read's deadline. A deadline counts the daemon's running time: on waking the read still
+    waits, the hold comes, and the read is received with the request's bytes."""
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
         c.transfer(0, TOKENS)  # the route exists: the read posts at once
-        blocks = c.prefill.prefill(1, TOKENS, 30.0)
-        prefill_pid, decode_pid = (d.proc.pid for d in c.daemons)
-        os.kill(prefill_pid, signal.SIGSTOP)  # first: the read's claim waits for its answer
+        blocks = c.prefill.prefill(1, TOKENS, 30.0)  # the prompt's KV, in blocks the prefill computed
+        ref = msgspec.structs.replace(c.remote(1), request_id="req-9")  # its hold, not sent yet
+        read_done = nixl_transfers(c, 1)
+        c.decode.post_read(1, TOKENS, ref, blocks, 0, 5.0)
+        wait_for("the READ done", lambda: nixl_transfers(c, 1) > read_done, 10)
+        assert c.status(1).in_flight, "the read waits for its hold to be vouched for"
+        stopped = [d.proc.pid for d in c.daemons]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
         try:
-            c.decode.post_read(1, TOKENS, c.remote(1), blocks, 0, 2.0)
-            time.sleep(0.5)  # the READ is done (CMA needs nothing of the stopped daemon)
-            assert c.status(1).in_flight, "the read waits for its claim's answer"
-            os.kill(decode_pid, signal.SIGSTOP)
-            try:
-                time.sleep(3.0)  # past the read's deadline
-            finally:
-                os.kill(decode_pid, signal.SIGCONT)
+            time.sleep(7.0)  # past the read's deadline
         finally:
-            os.kill(prefill_pid, signal.SIGCONT)
-        out = c.decode.finish_read(1, 10.0, c.p_shape, c.p_tp)  # verified byte for byte
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        c.prefill.prefill(9, TOKENS, 30.0)  # the hold reaches the prefill daemon
+        out = c.decode.finish_read(1, 20.0, c.p_shape, c.p_tp)  # verified byte for byte
         assert out["status"] == "received", out
-        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
-        assert c.status(1).counters.expired == 0
+        assert c.prefill.wait_released(9, 5) == ["sent"] * c.p_tp  # our notification ended it
+        assert c.status(1).counters.failed == 0
+
+
+def nixl_transfers(c: Cluster, which: int) -> float:
+    """READs a daemon saw DONE (its NIXL transfer-time histogram's count)."""
+    with urllib.request.urlopen(f"http://{c.status(which).metrics}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvxferd_nixl_transfer_seconds_count"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for(what: str, check, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.02)
 
 
 def test_a_read_announced_before_the_prefill_holds_keeps_the_hold_once_it_comes():

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 import vllm_world
-from vllm_world import daemon_status, model, start, text, wait_until, warnings
+from vllm_world import daemon_status, daemon_warnings, model, start, text, wait_until
 
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.lab.vllm_servers import ProxyProcess, VllmServer, free_port, handoff, prompts
@@ -199,7 +199,7 @@ class TestTwoToOne:
         # each decode block gathers both heads, one from each prefill rank
         read, want = world.bytes_read() - before, sum(-(-n // BLOCK) for n in (40, 100, 130)) * BLOCK_BYTES
         assert read == want, (read, want, daemon_status(world.d_daemon).failures[-3:],
-                              warnings(world.d_daemon), warnings(p_tp2_daemon))
+                              daemon_warnings(world.d_daemon), daemon_warnings(p_tp2_daemon))
 
 
 class TestOneToTwo:
@@ -230,7 +230,7 @@ class TestOneToTwo:
             received = world.counters(dd).received
             _, out = handoff(other, d2, prompt)
             # the read arrived (a failed one is recomputed with d2's own weights: no control then)
-            assert world.counters(dd).received == received + 2, (daemon_status(dd).failures, warnings(dd))
+            assert world.counters(dd).received == received + 2, (daemon_status(dd).failures, daemon_warnings(dd))
             # (d2 now caches those foreign blocks under the prompt's hash: why the check exists)
             assert text(out) != world.single(prompt)
 

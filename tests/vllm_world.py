@@ -60,7 +60,7 @@ def daemon_status(d: DaemonProcess) -> P.Status:
         return c.status()
 
 
-def warnings(d: DaemonProcess, lines: int = 12) -> list[str]:
+def daemon_warnings(d: DaemonProcess, lines: int = 12) -> list[str]:
     """The last warnings in a daemon's log (its stall watch's among them): what a failure needs."""
     with open(d.log.name, errors="replace") as f:
         return [line.rstrip() for line in f if " WARNING " in line or " ERROR " in line][-lines:]
