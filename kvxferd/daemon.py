@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import logging
 import os
 import secrets
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -224,27 +225,33 @@ class Daemon:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
-        logged = -HOUSEKEEPING_LOG_S
+        logged: dict[str, float] = {}  # step -> when its failure was last logged
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            try:
-                self._housekeep(time.monotonic())
-            except Exception:  # a turn that fails must not end leases, deadlines or pause counting
-                if time.monotonic() - logged >= HOUSEKEEPING_LOG_S:
-                    logged = time.monotonic()
-                    log.exception("housekeeping failed (it runs again every %g s)", HOUSEKEEPING_S)
+            for name, step in self._housekeeping_steps(time.monotonic()):
+                try:
+                    step()
+                except Exception:  # one failing step must not end the others: leases, deadlines, pauses
+                    if time.monotonic() - logged.get(name, -HOUSEKEEPING_LOG_S) >= HOUSEKEEPING_LOG_S:
+                        logged[name] = time.monotonic()
+                        log.exception("housekeeping step %s failed (logged at most every %g s)", name,
+                                      HOUSEKEEPING_LOG_S)
 
-    def _housekeep(self, now: float) -> None:
+    def _housekeeping_steps(self, now: float) -> list[tuple[str, Callable[[], None]]]:
+        """One turn's steps, each run whatever the others do."""
+        steps: list[tuple[str, Callable[[], None]]] = []
         gap = self.stall.tick(now, HOUSEKEEPING_S)
         if gap.held:  # before expiring: a claim that could not be answered meanwhile keeps its hold
-            self.holds.paused(gap.held)
-            self.reads.paused(gap.stopped, now)  # only the time it did not run: its own work counts
-            self.stall.restart(time.monotonic())  # moving many holds on is not itself a pause
-        self.holds.expire(now)
-        self.leases.renew(now)
-        self.links.close_idle(now)
-        self.liveness.tick(now)
-        self._release_idle(now)
+            steps += [("holds.paused", functools.partial(self.holds.paused, gap.held)),
+                      # only the time it did not run: its own work counts against a read
+                      ("reads.paused", functools.partial(self.reads.paused, gap.stopped, now)),
+                      # moving many holds on is not itself a pause
+                      ("stall.restart", lambda: self.stall.restart(time.monotonic()))]
+        return [*steps, ("holds.expire", functools.partial(self.holds.expire, now)),
+                ("leases.renew", functools.partial(self.leases.renew, now)),
+                ("links.close_idle", functools.partial(self.links.close_idle, now)),
+                ("liveness.tick", functools.partial(self.liveness.tick, now)),
+                ("release_idle", functools.partial(self._release_idle, now))]
 
     def _release_idle(self, now: float) -> None:
         self.peers.collect(self.reads.uses_route)

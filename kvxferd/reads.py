@@ -20,7 +20,8 @@ daemon for its digests of the same rows; its consumers are notified, and it is r
 A deadline counts the daemon's running time: a pause (the process or its host stopped) moves
 each read's deadline on by what the read lived of it (`paused`), up to max_deadline_s after the
 read began, and no deadline is judged while a pause is still uncounted (`pausing`). Every wait
-of a read (handshake, claims, audit) follows `_deadline`. Nothing could progress or be answered
+of a read (for its handshake, its claims, its audit) follows `_deadline`; a handshake's own
+request keeps its timeout. Nothing could progress or be answered
 meanwhile; failing the reads on waking would only recompute them.
 
 Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
@@ -90,6 +91,7 @@ _encode = msgspec.msgpack.Encoder().encode
 EARLY_CLAIM_BYTES = 1 << 20
 X = TypeVar("X")
 PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
+AUDIT_ASK_MIN_S = 0.05  # an audit is asked again after a stop only with this much of the deadline left
 
 
 @dataclass
@@ -648,13 +650,17 @@ class Reads:
         return [sorted(c) for c in corrupt], wrong_rows
 
     async def _audit_answer(self, t: Transfer, ref: P.RemoteRef, request: hs.AuditRequest) -> hs.AuditReply:
-        """The prefill's answer to an audit, asked again when none came in time and a pause of
-        this daemon moved the read's deadline on meanwhile (its timer ran out while stopped)."""
+        """The prefill's answer to an audit, asked again only when none came in time because
+        this daemon stopped meanwhile (its timer ran out in the stop, the read's deadline moved
+        on): a prefill that is just slow is not sent the same digest work twice."""
         while True:
+            paused = t.paused
             try:
                 return await self._peers.audit(ref, request, max(self._deadline(t) - time.monotonic(), 0.001))
             except hs.HandshakeError as exc:
-                if exc.reason != "timeout" or time.monotonic() >= self._deadline(t):
+                now = time.monotonic()
+                stopped = t.paused > paused or self._pausing(now)
+                if exc.reason != "timeout" or not stopped or self._deadline(t, now) - now < AUDIT_ASK_MIN_S:
                     raise
 
     # --- polling --------------------------------------------------------------
@@ -717,7 +723,7 @@ class Reads:
                     t.paused += by
                     moved += 1
         if moved:
-            log.warning("daemon paused %.1f s: %d reads' deadlines moved on by that", seconds, moved)
+            log.warning("daemon paused %.1f s: %d reads' deadlines moved on by up to that", seconds, moved)
 
     async def _until_deadline(self, t: Transfer, job: Awaitable[X]) -> X:
         """`job`'s result, waited for until `t`'s deadline as judged meanwhile (a pause moves it
@@ -731,8 +737,7 @@ class Reads:
                 await asyncio.wait((fut,), timeout=left)
             return fut.result()
         finally:
-            if not fut.done():
-                fut.cancel()
+            fut.cancel()  # done: nothing, but an error nobody took is not logged as lost
 
     @property
     def busy(self) -> bool:

@@ -86,8 +86,11 @@ class Link:
 
     def _unanswered(self, seq: int, timeout_s: float) -> None:
         # A reply already in the socket is taken first: waking from a pause, this timer can run
-        # before the reader task, and an answer that came is not lost to it.
-        self.take_ready()
+        # before the reader task (one still in transit is not: the claim is asked again).
+        try:
+            self.take_ready()
+        except Exception as exc:  # whatever happens, the request below still ends
+            log.warning("taking lease replies from %s failed: %s", self.address, exc)
         fut = self.waiting.pop(seq, None)
         if fut is not None and not fut.done():
             fut.set_exception(hs.HandshakeError("timeout",

@@ -48,12 +48,14 @@ class StallWatch:
         cpu = time.thread_time() if cpu is None else cpu
         held, ran = now - self._last - expected_s, cpu - self._cpu
         self._last, self._cpu = now, cpu
-        if held > LOG_AFTER_S:
-            log.warning("event loop held %.1f s%s", held,
-                        " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
         if now - self._armed >= REARM_S:
             self.arm(now)
-        return Gap(held, min(held, max(held - ran, 0.0))) if held > LOG_AFTER_S else Gap(0.0, 0.0)
+        if held <= LOG_AFTER_S:
+            return Gap(0.0, 0.0)
+        gap = Gap(held, min(held, max(held - ran, 0.0)))
+        log.warning("event loop held %.1f s, %.1f s of it off the CPU%s", held, gap.stopped,
+                    " (every thread's stack is on stderr)" if held >= self._dump_after_s and self._fd else "")
+        return gap
 
     def behind(self, now: float, expected_s: float) -> bool:
         """The tick due `expected_s` after the last one is more than LOG_AFTER_S late: the loop is

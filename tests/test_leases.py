@@ -107,14 +107,14 @@ def test_a_host_paused_past_a_reads_deadline_still_delivers_it():
         blocks = c.prefill.prefill(1, TOKENS, 30.0)  # the prompt's KV, in blocks the prefill computed
         ref = msgspec.structs.replace(c.remote(1), request_id="req-9")  # its hold, not sent yet
         read_done = nixl_transfers(c, 1)
-        c.decode.post_read(1, TOKENS, ref, blocks, 0, 5.0)
+        c.decode.post_read(1, TOKENS, ref, blocks, 0, 10.0)
         wait_for("the READ done", lambda: nixl_transfers(c, 1) > read_done, 10)
         assert c.status(1).in_flight, "the read waits for its hold to be vouched for"
         stopped = [d.proc.pid for d in c.daemons]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(7.0)  # past the read's deadline
+            time.sleep(12.0)  # past the read's deadline
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)

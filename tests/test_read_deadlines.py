@@ -77,12 +77,14 @@ def test_waiting_until_a_deadline_follows_it_as_it_moves():
 
 def test_a_gap_counts_as_stopped_only_the_time_the_loop_thread_did_not_run():
     watch = StallWatch(100.0)
-    watch.restart(100.0, cpu=5.0)
-    assert watch.tick(100.05, 0.05, cpu=5.01) == (0.0, 0.0)  # on time
-    assert not watch.behind(100.5, 0.05)
-    assert watch.behind(101.2, 0.05)  # a tick over a second late has not come yet: a pause may be under way
-    gap = watch.tick(104.05, 0.05, cpu=5.51)  # 4 s late, of which it ran 0.5 s (its own work)
-    assert gap.held == pytest.approx(3.95) and gap.stopped == pytest.approx(3.45)
-    gap = watch.tick(108.10, 0.05, cpu=9.51)  # 4 s late, all of it spent running
-    assert gap.held == pytest.approx(4.0) and gap.stopped == 0.0
-    watch.disarm()
+    try:
+        watch.restart(100.0, cpu=5.0)
+        assert watch.tick(100.05, 0.05, cpu=5.01) == (0.0, 0.0)  # on time
+        assert not watch.behind(100.5, 0.05)
+        assert watch.behind(101.2, 0.05)  # a tick over a second late has not come: a pause may be under way
+        gap = watch.tick(104.05, 0.05, cpu=5.51)  # 4 s late, of which it ran 0.5 s (its own work)
+        assert gap.held == pytest.approx(3.95) and gap.stopped == pytest.approx(3.45)
+        gap = watch.tick(108.10, 0.05, cpu=9.51)  # 4 s late, all of it spent running
+        assert gap.held == pytest.approx(4.0) and gap.stopped == 0.0
+    finally:
+        watch.disarm()  # a failed assert must not leave a stack dump armed for the next test

@@ -14,13 +14,15 @@ from kvxferd.stall import StallWatch
 
 def test_a_late_tick_is_logged_with_how_long_the_loop_was_held(caplog):
     watch = StallWatch(100.0)
+    watch.restart(100.0, cpu=0.0)
     with caplog.at_level(logging.WARNING, logger="kvxferd"):
-        assert watch.tick(100.05, 0.05).held == 0.0  # on time
+        assert watch.tick(100.05, 0.05, cpu=0.0).held == 0.0  # on time
         assert not caplog.records
-        assert watch.tick(103.55, 0.05).held == pytest.approx(3.45)  # 3.45 s late: holds move on by it (holds.py)
+        # 3.45 s late, not running: holds move on by it (holds.py), reads too (reads.py)
+        assert watch.tick(103.55, 0.05, cpu=0.0) == pytest.approx((3.45, 3.45))
         watch.restart(110.0)  # catching up on that took until 110: not counted again
         assert watch.tick(110.05, 0.05).held == 0.0
-    assert [r.getMessage() for r in caplog.records] == ["event loop held 3.5 s"]
+    assert [r.getMessage() for r in caplog.records] == ["event loop held 3.5 s, 3.5 s of it off the CPU"]
     watch.disarm()
 
 
