@@ -193,10 +193,12 @@ class Peers:
         ready = asyncio.shield(peer.ready)  # one read giving up leaves the handshake to the others
         try:
             while not ready.done():
-                remaining = deadline() - time.monotonic()
-                if remaining <= 0:
+                until = deadline()
+                if until <= time.monotonic():
                     raise TimeoutError()
-                await asyncio.wait((ready,), timeout=remaining)
+                await asyncio.wait((ready,), timeout=until - time.monotonic())
+                if not ready.done() and deadline() <= until:  # its time is up (the timer may round early)
+                    raise TimeoutError()
             ready.result()  # the handshake's error, if it failed
         finally:
             ready.cancel()  # (done: nothing) not awaited by anyone: its error must not be left unretrieved

@@ -731,10 +731,12 @@ class Reads:
         fut = asyncio.ensure_future(job)
         try:
             while not fut.done():
-                left = self._deadline(t) - time.monotonic()
-                if left <= 0:
+                until = self._deadline(t)
+                if until <= time.monotonic():
                     raise TimeoutError()
-                await asyncio.wait((fut,), timeout=left)
+                await asyncio.wait((fut,), timeout=until - time.monotonic())
+                if not fut.done() and self._deadline(t) <= until:  # its time is up (the timer may round early)
+                    raise TimeoutError()
             return fut.result()
         finally:
             fut.cancel()  # done: nothing, but an error nobody took is not logged as lost

@@ -247,8 +247,8 @@ def test_a_real_daemon_s_failures_come_through_the_ring_in_order(tmp_path):
         with EngineClient(daemon.socket, "engine", 0, 1) as c:
             c.register(geo, shm_fds=[fd], doorbell=True, records=True)
             assert c._ring is not None and c._counter is None
-            for i in range(8):
-                c.read(f"r{i}", nobody, 4, [[i]], [[i]], 1.0)
+            for i in range(8):  # deadlines 50 ms apart: the daemon fails them in that order
+                c.read(f"r{i}", nobody, 4, [[i]], [[i]], 1.0 + 0.05 * i)
             got: list[P.Completion] = []
             end = time.monotonic() + 20
             while len(got) < 8 and time.monotonic() < end:
@@ -256,7 +256,7 @@ def test_a_real_daemon_s_failures_come_through_the_ring_in_order(tmp_path):
                 assert not poll
                 got += items
             assert [(x.request_id, x.status, x.block_ids) for x in got] == [
-                (f"r{i}", "failed", [[i]]) for i in range(8)]
+                (f"r{i}", "failed", [[i]]) for i in range(8)], [(x.request_id, x.reason) for x in got]
     finally:
         daemon.stop()
         os.close(fd)
