@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from . import handshake as hs
 from . import protocol as P
+from .deadline import until_deadline
 from .engines import EngineKey, EngineRank
 from .lanes import Lanes
 from .memory import MemType
@@ -190,18 +191,8 @@ class Peers:
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
             self._changed()
-        ready = asyncio.shield(peer.ready)  # one read giving up leaves the handshake to the others
-        try:
-            while not ready.done():
-                until = deadline()
-                if until <= time.monotonic():
-                    raise TimeoutError()
-                await asyncio.wait((ready,), timeout=until - time.monotonic())
-                if not ready.done() and deadline() <= until:  # its time is up (the timer may round early)
-                    raise TimeoutError()
-            ready.result()  # the handshake's error, if it failed
-        finally:
-            ready.cancel()  # (done: nothing) not awaited by anyone: its error must not be left unretrieved
+        # shielded: one read giving up leaves the handshake to the others; raises its error
+        await until_deadline(asyncio.shield(peer.ready), deadline)
         return peer
 
     async def _handshake(self, peer: Peer) -> None:

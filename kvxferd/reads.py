@@ -21,8 +21,8 @@ A deadline counts the daemon's running time: a pause (the process or its host st
 each read's deadline on by what the read lived of it (`paused`), up to max_deadline_s after the
 read began, and no deadline is judged while a pause is still uncounted (`pausing`). Every wait
 of a read (for its handshake, its claims, its audit) follows `_deadline`; a handshake's own
-request keeps its timeout. Nothing could progress or be answered
-meanwhile; failing the reads on waking would only recompute them.
+request keeps its timeout. Nothing could progress or be answered meanwhile; failing the reads
+on waking would only recompute them.
 
 Every call on the daemon's own agent happens on the loop's thread. NIXL cannot cancel a transfer: a read past its
 deadline is reported failed and its handles are quarantined, polled until they end, and the
@@ -44,9 +44,8 @@ import heapq
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -54,6 +53,7 @@ import numpy as np
 from . import handshake as hs
 from . import integrity
 from . import protocol as P
+from .deadline import until_deadline
 from .engines import EngineRank
 from .lanes import Lanes
 from .leases import RESTARTED, ClaimKey, Leases, claim_keys
@@ -89,7 +89,6 @@ _encode = msgspec.msgpack.Encoder().encode
 # as soon as the post returns DONE. Smaller reads are posted at once, and their claims leave at
 # the end of the loop turn, one request per peer for all of them.
 EARLY_CLAIM_BYTES = 1 << 20
-X = TypeVar("X")
 PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
 AUDIT_ASK_MIN_S = 0.05  # an audit is asked again after a stop only with this much of the deadline left
 
@@ -624,8 +623,9 @@ class Reads:
             try:
                 await asyncio.sleep(0)  # the request leaves; the prefill digests while we do
                 local = local_rows(pp, lids, er.region_addr)
-                ours, seconds = await self._until_deadline(  # the digest thread may be busy: the deadline holds
-                    t, self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)))
+                ours, seconds = await until_deadline(  # the digest thread may be busy: the deadline holds
+                    self._digester.run(er, functools.partial(integrity.digest_rows, er.mappings, local)),
+                    functools.partial(self._deadline, t))
             except BaseException:
                 asked.cancel()  # abandoned (our digest timed out, or we are cancelled): its socket closes
                 raise
@@ -724,22 +724,6 @@ class Reads:
                     moved += 1
         if moved:
             log.warning("daemon paused %.1f s: %d reads' deadlines moved on by up to that", seconds, moved)
-
-    async def _until_deadline(self, t: Transfer, job: Awaitable[X]) -> X:
-        """`job`'s result, waited for until `t`'s deadline as judged meanwhile (a pause moves it
-        on); TimeoutError, the job cancelled, if the deadline comes first."""
-        fut = asyncio.ensure_future(job)
-        try:
-            while not fut.done():
-                until = self._deadline(t)
-                if until <= time.monotonic():
-                    raise TimeoutError()
-                await asyncio.wait((fut,), timeout=until - time.monotonic())
-                if not fut.done() and self._deadline(t) <= until:  # its time is up (the timer may round early)
-                    raise TimeoutError()
-            return fut.result()
-        finally:
-            fut.cancel()  # done: nothing, but an error nobody took is not logged as lost
 
     @property
     def busy(self) -> bool:

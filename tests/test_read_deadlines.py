@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvxferd import protocol as P
+from kvxferd.deadline import until_deadline
 from kvxferd.reads import PAUSE_GRACE_S, Reads, Transfer
 from kvxferd.recorder import Recorder
 from kvxferd.stall import StallWatch
@@ -67,10 +68,10 @@ def test_waiting_until_a_deadline_follows_it_as_it_moves():
         job = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.1, reads.paused, 0.5, time.monotonic() + 0.1)
         asyncio.get_running_loop().call_later(0.4, job.set_result, "answered")
-        assert await reads._until_deadline(t, job) == "answered"  # past 0.2 s: moved on to 0.7 s
+        assert await until_deadline(job, lambda: reads._deadline(t)) == "answered"  # past 0.2 s: moved on to 0.7 s
         never = asyncio.get_running_loop().create_future()
         with pytest.raises(TimeoutError):
-            await reads._until_deadline(t, never)
+            await until_deadline(never, lambda: reads._deadline(t))
         assert never.cancelled()
     asyncio.run(main())
 
