@@ -165,12 +165,16 @@ def bench_data(
 def bench_control(
     as_json: bool = typer.Option(False, "--json"),
     requests: int = typer.Option(2000, help="Requests per concurrency level."),
+    pause_ms: float = typer.Option(0.0, help="Between each request's hold and its read (untimed), as a "
+                                             "request waits to be scheduled: the prefill daemon's pace settles."),
 ) -> None:
     """Requests/s and latency at 1, 16 and 256 concurrent reads of 16 blocks, the engine learning
     of completions by long polls and from its doorbell."""
     from .benchmarks import control
 
-    rows = control.run(requests=requests)
+    if not 0 <= pause_ms <= 10_000:
+        raise typer.BadParameter(f"{pause_ms} outside [0, 10000]", param_hint="--pause-ms")
+    rows = control.run(requests=requests, pause_s=pause_ms / 1e3)
     typer.echo(json.dumps(rows, indent=2) if as_json else control.render(rows))
 
 

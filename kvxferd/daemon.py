@@ -43,6 +43,7 @@ from .leases import Leases
 from .liveness import Liveness
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
+from .notices import Notices
 from .pace import SPIN, Pace, Wake
 from .peers import Peers
 from .protocol import RequestError
@@ -101,9 +102,10 @@ class Daemon:
         self.links = Links(self.zmq, self.curve)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
                              cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
+        self.notices = Notices(self.links, self.recorder, self.nixl.name)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
                            cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
-                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S))
+                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S), self.notices)
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
@@ -162,6 +164,7 @@ class Daemon:
             for conn in list(self._connections):
                 conn.close()  # unregisters its engine ranks
             self.peers.close()
+            self.notices.flush()  # best effort: a notice not sent leaves its hold to its lease
             self.links.close()
             self.digester.close()  # waits for a digest reading engine memory to end
             self.audit_digester.close()
@@ -259,7 +262,7 @@ class Daemon:
             self.peers.forget_engine(er.key)  # its prepared lists go before its memory
             self.engines.release(er)
 
-    def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply | Awaitable[hs.SideReply]:
+    def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply | Awaitable[hs.SideReply] | None:
         if isinstance(req, hs.AuditRequest):
             return self.holds.answer_audit(req)
         if isinstance(req, hs.ProbeRequest):
@@ -268,6 +271,9 @@ class Daemon:
         self._wake.set()
         if isinstance(req, hs.LeaseRequest):
             return self.holds.answer_lease(req)
+        if isinstance(req, hs.NoticeRequest):
+            self.holds.take_notices(req)
+            return None
         return self.holds.answer_handshake(req)
 
     def _on_refused_peer(self, event: int) -> None:

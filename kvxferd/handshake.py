@@ -2,8 +2,9 @@
 
 The decode daemon asks the prefill daemon for an engine's ranks; the answer carries the
 NIXL agent metadata and, per rank, the compatibility hash, the geometry and the buffer
-addresses. Every READ then carries a `Notification` telling the prefill daemon which held
-request a consumer has finished. An audited read asks, before it is reported, for the
+addresses. Each read then tells the prefill daemon, with a `Notification`, which held request
+a consumer has finished: on the side channel once the read is done (`NoticeRequest`), or, to a
+daemon from before notices, carried by the READ itself. An audited read asks, before it is reported, for the
 digests of the rows it read (`AuditRequest`, integrity.py). Payloads are msgspec msgpack
 (never pickle); every wait has a deadline.
 
@@ -13,6 +14,8 @@ prefill daemon makes when an engine's first rank registers): the decode daemon's
 a peer that went away or restarted (liveness.py). A daemon from before probes answers one as a
 malformed request: alive, epoch unknown. Version 3 adds `"lease"`, a decode daemon's claims on
 the holds it reads (leases.py), sent over one DEALER connection per peer daemon (sidelink.py).
+Version 4 adds `"notice"`: the notifications of reads that are done, on that same connection
+instead of on the READs (notices.py), to a daemon whose handshake reply says it takes them.
 
 What a handshake grants is scoped to the engine it names: the reply's metadata covers that
 engine's registered memory only, and the requester (the asking daemon's NIXL agent) is the
@@ -39,6 +42,7 @@ from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
 HANDSHAKE_VERSION = 2  # of handshakes and audits; leases are version 3 (LeaseRequest)
 LEASE_VERSION = 3
+NOTICE_VERSION = 4
 MAX_MESSAGE = 256 << 20
 MAX_AUDIT_ROWS = 4 << 20
 
@@ -128,6 +132,9 @@ class HandshakeReply(msgspec.Struct):
     metadata: bytes = b""
     ranks: list[RankInfo] = []
     more_metadata: list[bytes] = []
+    # the `NoticeRequest` version the answering daemon takes (side-channel version 4); 0 from a
+    # daemon before notices: READs to it carry their notifications
+    notices: int = 0
     epoch: Epoch = ""  # the engine's registration (see ProbeRequest); "" from a daemon before epochs
 
     @property
@@ -136,8 +143,8 @@ class HandshakeReply(msgspec.Struct):
 
 
 class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
-    """Sent with each READ (or alone, to a rank nothing is read from): one consumer of the
-    prefill engine's held request is done. On the wire:
+    """One consumer of the prefill engine's held request is done (also sent for a rank nothing
+    is read from). In a `NoticeRequest`, or as a NIXL notification carried by a READ. On the wire:
     `["KVX1", engine, prefill rank, prefill request id, expected consumers]`."""
 
     engine_id: Name
@@ -172,6 +179,18 @@ class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind",
     extend_s: Annotated[float, Meta(ge=0, le=3600)]
     claims: Annotated[list[Claimed], Meta(max_length=MAX_CLAIMS)]
     release: bool = False  # the requester is done with these holds without reading them: unpin
+
+
+class NoticeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="notice"):
+    """Side-channel version 4: a decode daemon's notifications of reads that are done, sent on
+    its link once the READs ended (none rides on the READ: a READ carrying a NIXL notification
+    completes only once the serving daemon progresses, notices.py). Counted as NIXL notifications
+    are, from `requester` (the agent that handshook). Not answered: a reply per batch would queue
+    the lease answers on the same link behind it."""
+
+    version: int
+    requester: Annotated[str, Meta(max_length=1024)]
+    notices: Annotated[list[Notification], Meta(max_length=MAX_CLAIMS)]
 
 
 ClaimState = Literal["held", "consumed", "pending", "ended"]
@@ -214,7 +233,7 @@ def decode_notification(data: bytes) -> Notification | None:
         return None
 
 
-_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest)
+_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
 _probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
@@ -322,9 +341,9 @@ def generate_keys(directory: str, name: str = "kvxferd", force: bool = False) ->
     return str(public), str(secret)
 
 
-SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest
+SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest
 SideReply = HandshakeReply | AuditReply | ProbeReply | LeaseReply
-Answer = Callable[[SideRequest], "SideReply | Awaitable[SideReply]"]
+Answer = Callable[[SideRequest], "SideReply | Awaitable[SideReply] | None"]  # None: nothing to answer
 MAX_ANSWERS_PENDING = 256  # answers still being computed (audits digesting); more wait their turn
 
 
@@ -382,7 +401,9 @@ class HandshakeServer:
                 reply = HandshakeReply(False, f"malformed side-channel request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
                 reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")
-            if isinstance(reply, HandshakeReply | AuditReply | ProbeReply | LeaseReply):
+            if reply is None:  # a notice: answered by nothing
+                await asyncio.sleep(0)
+            elif isinstance(reply, HandshakeReply | AuditReply | ProbeReply | LeaseReply):
                 await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])
                 # a ready message is received without yielding: a flood would keep the loop here
                 await asyncio.sleep(0)

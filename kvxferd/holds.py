@@ -262,13 +262,27 @@ class Holds:
         return view
 
     def on_notification(self, sender: str, data: bytes) -> None:
-        """A peer's notification; `sender` is the agent name NIXL reports it under. Counted only
-        from an agent that handshook for the engine it names (anyone who can reach our NIXL
-        agent can send one); others are dropped and counted `unauthorized`."""
+        """A peer's NIXL notification; `sender` is the agent name NIXL reports it under."""
         n = hs.decode_notification(data)
         if n is None:
             self._recorder.notification_received("malformed")
             return
+        self._notified(sender, n)
+
+    def take_notices(self, req: hs.NoticeRequest) -> None:
+        """A peer daemon's notifications on the side channel, from the agent it names as requester
+        (not answered: a version this daemon does not speak is counted malformed)."""
+        if req.version != hs.NOTICE_VERSION:
+            for _ in req.notices:
+                self._recorder.notification_received("malformed")
+            return
+        for n in req.notices:
+            self._notified(req.requester, n)
+
+    def _notified(self, sender: str, n: hs.Notification) -> None:
+        """One consumer is done with a hold. Counted only from an agent that handshook for the
+        engine it names (anyone who can reach our NIXL agent or side channel can send one, under
+        any name); others are dropped and counted `unauthorized`."""
         notifier = (n.engine_id, sender)
         if notifier not in self._notifiers:
             self._recorder.notification_received("unauthorized")
@@ -412,7 +426,7 @@ class Holds:
         self._recorder.handshake_answered("ok")
         return hs.HandshakeReply(True, agent=self._nixl.name, metadata=metadata[0],
                                  ranks=[e.rank_info() for e in ranks], more_metadata=metadata[1:],
-                                 epoch=ranks[0].epoch)
+                                 epoch=ranks[0].epoch, notices=hs.NOTICE_VERSION)
 
     def answer_lease(self, req: hs.LeaseRequest) -> hs.LeaseReply:
         """A decode daemon's claims on holds it reads or will read (see the module's doc)."""

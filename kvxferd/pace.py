@@ -1,11 +1,14 @@
 """How often an idle daemon progresses NIXL: often enough that a peer's READ of this daemon's
 memory is served at once, rarely enough that an idle daemon costs no core.
 
-A peer's READ of our memory completes only when our UCX worker progresses, even over `cma`
-(measured: a 16-block read waits for the serving daemon's next tick). Every READ carries a
-notification, so traffic is visible; the pace follows it:
+A peer's READ of our memory that carries a NIXL notification completes only when our UCX worker
+progresses, even over `cma` (measured: a 16-block read waited for the serving daemon's next
+tick); over UCX's TCP transport alone, any READ does. READs from daemons that send notices
+(notices.py) carry none, and over CMA (measured) or RDMA (one-sided) need nothing of us; the
+pace stays for the others.
+It follows the traffic this daemon sees:
 
-    activity (hold, notification, handshake answered) ─┬─ spin_s: yield to the loop every turn
+    activity (hold, claim, notification, handshake)   ─┬─ spin_s: yield to the loop every turn
                                                        ├─ hot_s, or while requests are held:
                                                        │      every idle_poll_s (timer resolution 1 ms)
                                                        └─ then: every idle_max_s

@@ -83,6 +83,7 @@ class Peer:
     since: float = 0.0  # wall time of the handshake
     handshake_s: float = 0.0
     epoch: str = ""  # the engine's registration, from the handshake ("": a daemon before epochs)
+    notices: int = 0  # the NoticeRequest version its daemon takes (0: none; notices.py)
     # monotonic: its side channel last answered (handshake, probe), moved on by any time this
     # daemon itself did not run (liveness.py)
     heard: float = 0.0
@@ -211,7 +212,7 @@ class Peers:
                 peer.agent = self._nixl.add_peer(blob)
             peer.metadata = metadata  # posting lanes load it on first use
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
-            peer.epoch, peer.heard = reply.epoch, time.monotonic()
+            peer.epoch, peer.heard, peer.notices = reply.epoch, time.monotonic(), reply.notices
             peer.used = peer.probed = peer.heard
             self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
             peer.ready.set_result(None)

@@ -58,6 +58,7 @@ from .engines import EngineRank
 from .lanes import Lanes
 from .leases import RESTARTED, ClaimKey, Leases, claim_keys
 from .nixl_driver import NixlDriver, TransferError
+from .notices import Notices
 from .peers import Link, Peer, Peers, Route
 from .plan.descriptors import (
     RequestBlocks,
@@ -122,7 +123,8 @@ class Transfer:
     route: Route | None = None
     postings: list[Posting] = field(default_factory=list)  # its READs in flight (postings.py)
     split: int = 0  # slices per remote rank when split across lanes (0: posted whole)
-    notify_after: list[bytes] = field(default_factory=list)  # a split read's notifications, sent once DONE
+    # notifications its READs do not carry, sent once it is DONE (notices.py; split or audited reads)
+    notify_after: list[hs.Notification] = field(default_factory=list)
     posted_at: float = 0.0  # monotonic
     nbytes: int = 0
     descriptors: int = 0
@@ -161,12 +163,15 @@ class Transfer:
         self.read_ranks = list(reading.indices)
         return reading
 
-    def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None]) -> int:
+    def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None],
+             notices: Notices | None) -> int:
         """Post a READ per remote rank read (split across lanes when large, `on_sliced` running
         on the loop as each slice's post returns), notify the rest; returns notifications.
 
-        Raises StaleRoute when NIXL refused the first READ (nothing posted), TransferError when
-        it refused a later one (some READs are running).
+        With `notices` and a peer daemon that takes them, no READ carries a notification (see
+        notices.py): they are all sent once the read is DONE. Raises StaleRoute when NIXL refused
+        the first READ (nothing posted), TransferError when it refused a later one (some READs are
+        running).
         """
         route = self.route
         assert route is not None
@@ -176,10 +181,11 @@ class Transfer:
         self.posted_at = time.monotonic()  # before the first slice: a lane may end it at once
         ref = self.msg.remote
         expected = route.expected
+        on_side_channel = notices is not None and route.peer.notices == hs.NOTICE_VERSION
         try:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
-                notif = _encode(hs.Notification(ref.engine_id, rank, ref.request_id, expected))
+                notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected)
                 if split:
                     self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
                                       split, on_sliced)
@@ -191,17 +197,21 @@ class Transfer:
                         remote_rows(pp, rids, link.remote_region_addr, link.remote_device), link.remote_mem,
                         route.agent)))
                     self.notify_after.append(notif)
-                elif self.audit:  # consumers are told once the bytes are checked
+                elif self.audit or on_side_channel:  # consumers are told once the bytes are here (and checked)
                     self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids, b"")))
                     self.notify_after.append(notif)
                 else:
-                    self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids, notif)))
+                    self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids,
+                                                                   _encode(notif))))
                 self.nbytes += nbytes[rank]
                 self.descriptors += len(lids)
-            for rank in plan.targets:
-                if rank not in reads:
-                    nixl.notify(route.agent, _encode(hs.Notification(ref.engine_id, rank, ref.request_id,
-                                                                          expected)))
+            unread = [hs.Notification(ref.engine_id, rank, ref.request_id, expected)
+                      for rank in plan.targets if rank not in reads]
+            if unread:  # consumers of ranks nothing is read from are done now
+                # Nothing read at all (a full prefix hit): sent to the peer's NIXL agent, whose
+                # refusal says that daemon instance is gone (StaleRoute: a fresh handshake, as a
+                # READ's refusal would). A notice goes to whichever daemon has the address now.
+                self._notify(unread, nixl, notices if reads else None)
         except TransferError as exc:
             if not self.running:
                 raise StaleRoute(str(exc)) from exc
@@ -238,16 +248,26 @@ class Transfer:
             p.release()
         self.postings = []
 
-    def notify_consumers(self, nixl: NixlDriver) -> None:
-        """A split read is DONE: tell its consumers, as a whole READ's own notification would."""
-        assert self.route is not None
-        for notif in self.notify_after:
-            try:
-                nixl.notify(self.route.agent, notif)
-            except TransferError as exc:  # the bytes are here; the prefill side's lease frees its blocks
-                log.warning("read %s arrived, but notifying %s failed: %s", self.msg.request_id,
-                            self.route.peer.engine_id, exc)
-        self.notify_after = []
+    def notify_consumers(self, nixl: NixlDriver, notices: Notices | None) -> None:
+        """The read is DONE: the notifications its READs did not carry leave now."""
+        notifications, self.notify_after = self.notify_after, []
+        try:
+            self._notify(notifications, nixl, notices)
+        except TransferError as exc:  # the bytes are here; the prefill side's lease frees its blocks
+            assert self.route is not None
+            log.warning("read %s arrived, but notifying %s failed: %s", self.msg.request_id,
+                        self.route.peer.engine_id, exc)
+
+    def _notify(self, notifications: list[hs.Notification], nixl: NixlDriver, notices: Notices | None) -> None:
+        """On the side channel where the peer daemon takes notices, else as NIXL notifications
+        (TransferError when NIXL refuses one)."""
+        route = self.route
+        assert route is not None
+        if notices is not None and route.peer.notices == hs.NOTICE_VERSION:
+            notices.tell(route.peer.host, route.peer.port, notifications)
+            return
+        for notif in notifications:
+            nixl.notify(route.agent, _encode(notif))
 
     def transfer_seconds(self, recorder: Recorder) -> float:
         """How long the read took to move, not when the loop noticed (0: not known). NIXL's own
@@ -295,8 +315,9 @@ class Reads:
                  lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False,
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
                  max_per_rank: int = 4096, leases: Leases | None = None,
-                 pausing: Callable[[float], bool] = lambda now: False) -> None:
+                 pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None) -> None:
         self._leases = leases
+        self._notices = notices  # None: notifications ride on the READs, as to a daemon before notices
         self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
         self._digester = digester or integrity.Digester()
         self._max_per_rank = max_per_rank
@@ -427,7 +448,7 @@ class Reads:
             if early:
                 self._leases.flush()
         try:
-            notifications = t.post(reading, self._nixl, self._lanes, self._on_posted)
+            notifications = t.post(reading, self._nixl, self._lanes, self._on_posted, self._notices)
         except StaleRoute:  # nothing was read: the retry claims anew on its own route
             if self._leases is not None and t.read_claims:
                 self._leases.release(t.read_claims)
@@ -441,8 +462,17 @@ class Reads:
             return
         if early:  # the loop was held through the copy if it ran inside the post (CMA): see it ended now
             self._settle_at_once(t)
+        elif not t.split and self._notices is not None and route.peer.notices == hs.NOTICE_VERSION:
+            # No READ carries a notification, so none waits for the peer's progress: over CMA the
+            # copy ran inside the post and the READs are DONE already. Checked once the engine's
+            # answer has left (its replies go out as this loop callback ends).
+            asyncio.get_running_loop().call_soon(self._check_posted, t)
         if t.running:
             self._on_posted()
+
+    def _check_posted(self, t: Transfer) -> None:
+        if not t.done:
+            self._check(t, time.monotonic())
 
     def _large(self, reading: Reading) -> bool:
         """Posted whole and large: see EARLY_CLAIM_BYTES."""
@@ -550,7 +580,7 @@ class Reads:
             self._spawn(self._deliver_confirmed(t))
 
     def _notify_and_finish(self, t: Transfer) -> None:
-        t.notify_consumers(self._nixl)
+        t.notify_consumers(self._nixl, self._notices)
         if self._leases is not None and t.claims and t.route is not None:
             self._leases.notified(t.claims, t.route.plan.targets)
         self._finish(t)

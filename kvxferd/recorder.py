@@ -202,6 +202,9 @@ class Recorder:
             self.counters.expired += 1
         self.metrics.holds_finished.labels(outcome).inc()
 
+    def notices_lost(self, n: int) -> None:
+        self.metrics.notifs_lost.inc(n)
+
     def notification_received(self, kind: NotificationKind) -> None:
         if kind in ("unknown", "malformed"):
             self.counters.unknown_notifs += 1

@@ -1,4 +1,5 @@
-"""One standing side-channel connection per peer daemon, for requests made often (lease claims).
+"""One standing side-channel connection per peer daemon, for requests made often (lease claims,
+notices).
 
 A handshake or an audit opens a REQ socket for its one question; claims go out many times a
 second, so each peer daemon's address gets one DEALER socket that stays, with requests told
@@ -83,6 +84,15 @@ class Link:
             self.waiting.pop(req.seq, None)
         fut.add_done_callback(ended)
         return fut
+
+    def tell(self, req: hs.NoticeRequest) -> None:
+        """Send `req`, which is not answered, now; HandshakeError when it cannot go out (the
+        peer's queue is full, or the link closed). After the requests asked before it, in order."""
+        self.used = time.monotonic()
+        try:
+            self._now.send_multipart([b"", hs.encode(req)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {exc}") from None
 
     def _unanswered(self, seq: int, timeout_s: float) -> None:
         # A reply already in the socket is taken first: waking from a pause, this timer can run

@@ -31,12 +31,14 @@ from kvxferd.lanes import Lanes
 from kvxferd.liveness import Liveness
 from kvxferd.memory import create_shm
 from kvxferd.nixl_driver import NixlDriver
+from kvxferd.notices import Notices
 from kvxferd.peers import Peer, Peers
 from kvxferd.plan.geometry import Geometry
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.protocol import RequestError
 from kvxferd.reads import Reads
 from kvxferd.recorder import Recorder
+from kvxferd.sidelink import Links
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 
@@ -81,6 +83,7 @@ class World:
     peers: Peers
     reads: Reads
     port: int
+    nixl_notifications: int = 0  # taken off the prefill's NIXL agent (not the side channel)
 
     def remote(self, request_id: str) -> P.RemoteRef:
         return P.RemoteRef("prefill", "127.0.0.1", self.port, 1, request_id)
@@ -93,6 +96,7 @@ class World:
                 for m in messages:
                     assert on_notification is not None, "the decode side gets no notifications"
                     on_notification(sender, m)
+                    self.nixl_notifications += 1
         self.reads.poll(time.monotonic())
 
     async def completion(self, er: EngineRank, timeout: float = 10) -> P.Completion:
@@ -105,23 +109,37 @@ class World:
 
 
 @contextlib.asynccontextmanager
-async def make_world() -> AsyncIterator[World]:
+async def make_world(notices: bool = False, peer_takes_notices: bool = True) -> AsyncIterator[World]:
+    """`notices`: the decode side sends notifications on the side channel (notices.py) to a peer
+    that takes them; `peer_takes_notices` False: the prefill side answers handshakes as a daemon
+    from before notices."""
     ctx = zmq.asyncio.Context()
     p, d = side("p"), side("d")
     p.register("prefill")
     d.register("decode")
     holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
-    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, lambda req: p.engines.answer_probe(req) if isinstance(
-        req, hs.ProbeRequest) else holds.answer_handshake(req))  # type: ignore[arg-type]  # (no audits here)
+
+    def answer(req: hs.SideRequest) -> hs.SideReply | None:  # (no audits or leases here)
+        if isinstance(req, hs.ProbeRequest):
+            return p.engines.answer_probe(req)
+        if isinstance(req, hs.NoticeRequest):
+            return holds.take_notices(req)
+        assert isinstance(req, hs.HandshakeRequest)
+        reply = holds.answer_handshake(req)
+        return reply if peer_takes_notices else msgspec.structs.replace(reply, notices=0)
+    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, answer)
     task = asyncio.create_task(server.run())
     no_lanes = Lanes(0, 8 << 20, "d", ("UCX",))  # every read posted whole on the daemon's agent
     peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None, lanes=no_lanes)
-    reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60, lanes=no_lanes)
+    links = Links(ctx, None)
+    reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60, lanes=no_lanes,
+                  notices=Notices(links, d.recorder, d.nixl.name) if notices else None)
     try:
         yield World(p, d, holds, peers, reads, server.port)
     finally:
         task.cancel()
         server.close()
+        links.close()
         peers.close()
         for s in (p, d):
             for er in s.engines.all():
@@ -185,6 +203,30 @@ async def test_read_handshakes_once_then_posts_from_the_cached_route(w: World) -
     assert w.reads.uses_engine(d_er) == 0
     (peer,) = w.peers.status(w.reads.uses_peer)
     assert (peer.engine, peer.plans, peer.active, peer.ranks) == ("prefill", 1, 0, [0])
+
+
+@pytest.mark.parametrize("peer_takes_notices", [True, False])
+def test_a_reads_notification_goes_on_the_side_channel_to_a_peer_that_takes_notices(peer_takes_notices: bool) -> None:
+    """To a peer daemon that takes notices, the READ carries no NIXL notification (with one, it
+    completes only once that daemon progresses: notices.py) and the consumer's notice follows
+    on the side channel; to a daemon from before notices, the READ carries it. Either way the
+    bytes arrive and the hold ends `sent`."""
+    async def main() -> None:
+        async with make_world(notices=True, peer_takes_notices=peer_takes_notices) as w:
+            p_er, d_er = w.prefill.rank, w.decode.rank
+            assert p_er is not None and d_er is not None
+            p_seq, d_seq = prompt(w, 1, 40)
+            want = expected(w, d_seq)
+            w.holds.hold(p_er, P.Hold("prefill", 0, "n1", 30.0, [list(b) for b in p_seq.blocks]))
+            w.reads.start(d_er, read_msg(w, "n1", p_seq, d_seq), time.perf_counter())
+            done = await w.completion(d_er)
+            assert (done.status, done.reason) == ("received", "")
+            assert testing.check(w.decode.views, want, w.decode.geometry) == []
+            sent = await w.completion(p_er)
+            assert (sent.request_id, sent.status) == ("n1", "sent")
+            assert w.nixl_notifications == (0 if peer_takes_notices else 1)
+            assert w.prefill.recorder.metrics.notifs_received.labels("consumer")._value.get() == 1
+    asyncio.run(main())
 
 
 @in_world

@@ -442,7 +442,7 @@ def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_
             ids = np.arange(4, dtype=np.int32)
             return reads_mod.Reading({0: (ids, ids)}, {0: nbytes})
 
-        def post(self, reading, nixl, lanes, on_sliced):
+        def post(self, reading, nixl, lanes, on_sliced, notices):
             asked_before_post.append(len(asked))
             return 0  # nothing left running: the read finishes at once
 
@@ -519,7 +519,7 @@ def test_a_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch
             ids = np.arange(4, dtype=np.int32)
             return reads_mod.Reading({0: (ids, ids)}, {0: reads_mod.EARLY_CLAIM_BYTES})
 
-        def post(self, reading, nixl, lanes, on_sliced):
+        def post(self, reading, nixl, lanes, on_sliced, notices):
             self.postings.append(Done())  # the copy ran inside this call
             return 1
 

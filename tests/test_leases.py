@@ -125,6 +125,25 @@ def test_a_host_paused_past_a_reads_deadline_still_delivers_it():
         assert c.status(1).counters.failed == 0
 
 
+def test_a_read_completes_while_the_prefill_daemon_is_stopped_and_its_notice_ends_the_hold():
+    """No READ carries a NIXL notification: with one, a READ completes only once the serving
+    daemon's UCX worker progresses (notices.py). So over CMA a read whose lease needs no answer
+    (confirmation off) is received, byte for byte, while the prefill daemon is stopped; once it
+    runs again, the consumer's notice on the side channel ends the hold `sent`."""
+    with Cluster(SHAPE, 1, 1, daemon_args=["--no-confirm-leases"]) as c:
+        c.transfer(0, TOKENS)  # the route exists: the read posts at once
+        blocks = c.prefill.prefill(1, TOKENS, 30.0)
+        prefill_daemon = c.daemons[0].proc.pid
+        os.kill(prefill_daemon, signal.SIGSTOP)
+        try:
+            out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 10.0, c.p_shape)  # verified byte for byte
+        finally:
+            os.kill(prefill_daemon, signal.SIGCONT)
+        assert out["status"] == "received", out
+        assert c.prefill.wait_released(1, 5) == ["sent"]
+        assert c.status(0).counters.unauthorized_notifs == 0
+
+
 def nixl_transfers(c: Cluster, which: int) -> float:
     """READs a daemon saw DONE (its NIXL transfer-time histogram's count)."""
     with urllib.request.urlopen(f"http://{c.status(which).metrics}/metrics", timeout=10) as r:

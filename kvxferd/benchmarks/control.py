@@ -179,10 +179,11 @@ COMPLETIONS = ("poll", "doorbell")  # how the engine learns of them: long polls,
 
 
 def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
-        batched: Iterable[int] = (256,), batch: int = 16) -> list[dict[str, float | str]]:
+        batched: Iterable[int] = (256,), batch: int = 16, pause_s: float = 0.0) -> list[dict[str, float | str]]:
     """Per level, then per `batched` level with the reads `batch` to a frame: one row for each
     way the engine learns of completions (long polls, the baseline; its doorbell's records),
-    one after the other on fresh daemons."""
+    one after the other on fresh daemons. `pause_s`: between each unbatched read's hold and the
+    read (untimed)."""
     rows: list[dict[str, float | str]] = []
     runs = [(c, 1) for c in levels] + [(c, batch) for c in batched]
     ceilings: dict[int, dict[str, float]] = {}  # raw NIXL's, per level (control_raw)
@@ -197,11 +198,11 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
             d = BenchEngine(dd.socket, "d", geo, doorbell="records" if completions == "doorbell" else "")
             host, port = p.side_channel.rsplit(":", 1)
             elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
-                                              per_frame, (pd.socket, p.client.token),
+                                              per_frame, (pd.socket, p.client.token), pause_s=pause_s,
                                               bell=d.client if d.client.doorbell is not None else None))
             daemon = d.client.status().latency_us
             rows.append({"concurrency": concurrency, "batch": per_frame, "completions": completions,
-                         "requests": n, "req_per_s": n / elapsed,
+                         "pause_ms": pause_s * 1e3, "requests": n, "req_per_s": n / elapsed,
                          "client_p50_us": pct(lat, 50) * 1e6, "client_p99_us": pct(lat, 99) * 1e6,
                          "rpc_to_post_p50_us": _us(daemon.rpc_to_post.p50),
                          "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),

@@ -1,0 +1,86 @@
+"""Decode side: telling prefill daemons that reads of their holds are done, on the side channel.
+
+A READ that carries a NIXL notification completes only once the serving daemon's UCX worker
+has progressed (the notification is an active message on UCX's TCP lane, and the READ's handle
+waits for it; measured: over CMA, with the serving daemon ticking every 50 ms, a 16-block READ
+took 47 ms with one and 0.13-0.15 ms without). So READs to a daemon that takes notices
+(`HandshakeReply.notices`) carry none; the read's notifications follow once it is done:
+
+    READ posted (no notification) ── DONE, seen by this daemon alone
+        └─ tell(host, port, notifications) ─ queued; within BATCH_S one NoticeRequest per peer
+           daemon on its link (sidelink.py), not answered ─> the prefill daemon counts them
+           (holds.py)
+
+Notices travel behind the lease claims asked before them on the same connection. One that
+cannot be sent (the peer's queue full, no route) is counted and logged; the hold it would have
+ended lives until its lease (the prefill engine gets its blocks back then, as after a lost NIXL
+notification).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from . import handshake as hs
+from .recorder import Recorder
+from .sidelink import Links
+
+log = logging.getLogger("kvxferd")
+
+# Notices wait this long to leave together: the prefill daemon answers its side channel one
+# message a loop turn, so a message per read would queue the lease claims behind them (measured
+# at 256 reads in flight: the claims' answers, and so the reads' completions, came ~200 ms late).
+# A hold ends this much later; its lease is seconds.
+BATCH_S = 0.005
+WARN_S = 10.0  # notices to a peer that could not be sent are logged at most this often
+
+
+class Notices:
+    """Notifications waiting to leave, by peer daemon side channel."""
+
+    def __init__(self, links: Links, recorder: Recorder, requester: str) -> None:
+        self._links, self._recorder, self._requester = links, recorder, requester
+        self._queued: dict[tuple[str, int], list[hs.Notification]] = {}
+        self._flushing = False
+        self._warned: dict[tuple[str, int], float] = {}
+
+    def tell(self, host: str, port: int, notifications: list[hs.Notification]) -> None:
+        """Send these to the daemon at host:port within BATCH_S."""
+        if not notifications:
+            return
+        self._queued.setdefault((host, port), []).extend(notifications)
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_later(BATCH_S, self._flush)
+
+    def flush(self) -> None:
+        """Send what waits now (the daemon is stopping)."""
+        if self._queued:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._flushing = False
+        queued, self._queued = self._queued, {}
+        for (host, port), notifications in queued.items():
+            for i in range(0, len(notifications), hs.MAX_CLAIMS):
+                self._send(host, port, notifications[i:i + hs.MAX_CLAIMS])
+
+    def _send(self, host: str, port: int, chunk: list[hs.Notification]) -> None:
+        try:
+            self._links.to(host, port).tell(hs.NoticeRequest(hs.NOTICE_VERSION, self._requester, chunk))
+        except Exception as exc:  # whatever one peer's address does, the others' notices still go
+            if not isinstance(exc, hs.HandshakeError):
+                log.error("notices to %s:%d failed unexpectedly", host, port, exc_info=exc)
+            self._lost(host, port, len(chunk), str(exc))
+
+    def _lost(self, host: str, port: int, n: int, why: str) -> None:
+        self._recorder.notices_lost(n)
+        now = time.monotonic()
+        if now - self._warned.get((host, port), -WARN_S) >= WARN_S:
+            if len(self._warned) >= 4096:
+                self._warned.clear()
+            self._warned[(host, port)] = now
+            log.warning("%d notifications to %s:%d not sent (their holds end with their leases): %s",
+                        n, host, port, why)
