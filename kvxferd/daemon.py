@@ -60,6 +60,7 @@ R = TypeVar("R", bound=P.Msg)
 
 LONG_POLL_MAX_S = 60.0
 HOUSEKEEPING_S = 0.05
+NOTICES_DRAIN_S = 0.05  # at shutdown, for the notices flushed last to leave
 HOUSEKEEPING_LOG_S = 10.0  # a housekeeping turn that keeps failing is logged this often
 
 
@@ -164,7 +165,8 @@ class Daemon:
             for conn in list(self._connections):
                 conn.close()  # unregisters its engine ranks
             self.peers.close()
-            self.notices.flush()  # best effort: a notice not sent leaves its hold to its lease
+            if self.notices.close():  # best effort: a notice not sent leaves its hold to its lease
+                await asyncio.sleep(NOTICES_DRAIN_S)  # ZMQ's I/O thread sends them; links close with LINGER 0
             self.links.close()
             self.digester.close()  # waits for a digest reading engine memory to end
             self.audit_digester.close()

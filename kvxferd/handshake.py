@@ -234,6 +234,21 @@ def decode_notification(data: bytes) -> Notification | None:
 
 
 _req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest)
+
+
+class _Kind(msgspec.Struct):
+    kind: str = ""
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_Kind)
+
+
+def _is_notice(data: bytes) -> bool:
+    """Whether a request that could not be read or answered says it is a notice."""
+    try:
+        return _kind_decoder.decode(data).kind == "notice"
+    except DECODE_ERRORS:
+        return False
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
 _probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
@@ -398,9 +413,13 @@ class HandshakeServer:
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
             except DECODE_ERRORS as exc:
-                reply = HandshakeReply(False, f"malformed side-channel request: {exc}")
+                # A notice is never answered, not even its refusal: on a link (sidelink.py) a
+                # reply without seq would be taken for the refusal of the oldest lease claim.
+                reply = None if _is_notice(parts[2]) else HandshakeReply(
+                    False, f"malformed side-channel request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
-                reply = HandshakeReply(False, f"internal error: {type(exc).__name__}: {exc}")
+                reply = None if _is_notice(parts[2]) else HandshakeReply(
+                    False, f"internal error: {type(exc).__name__}: {exc}")
             if reply is None:  # a notice: answered by nothing
                 await asyncio.sleep(0)
             elif isinstance(reply, HandshakeReply | AuditReply | ProbeReply | LeaseReply):

@@ -153,6 +153,7 @@ MAX_AUDITS_PER_HOLD = 16  # of those, naming one held request (a TP 16 decode's 
 SLOW_DIGESTS_S = 1.0  # an audit that waited longer than this for its hold's digests is logged,
 SLOW_LOG_S = 10.0  # at most this often
 MAX_EARLY = 1 << 16  # notifications waiting for their hold; beyond, the oldest are dropped
+UNKNOWN_LOG_S = 10.0  # notifications for an engine not registered here are logged at most this often
 
 
 def _retrieved(fut: asyncio.Future[HeldDigests]) -> None:
@@ -214,6 +215,7 @@ class Holds:
         self._ended: dict[HoldKey, Ended] = {}  # recently ended holds, oldest first (bounded)
         self._notifiers: OrderedDict[tuple[str, str], None] = OrderedDict()  # (engine id, peer agent)
         self._refused_senders: set[str] = set()  # senders of refused notifications already logged
+        self._unknown_logged = float("-inf")  # when a notification for an unknown engine was last logged
 
     @property
     def held(self) -> int:
@@ -297,8 +299,11 @@ class Holds:
         if held is None:
             if not self._engines.knows((n.engine_id, n.tp_rank)):
                 self._recorder.notification_received("unknown")
-                log.warning("notification for unknown engine %s rank %d request %s dropped",
-                            n.engine_id, n.tp_rank, n.request_id)
+                now = time.monotonic()
+                if now - self._unknown_logged >= UNKNOWN_LOG_S:  # one notice request names up to 4,096
+                    self._unknown_logged = now
+                    log.warning("notification for unknown engine %s rank %d request %s dropped (logged at "
+                                "most every %g s)", n.engine_id, n.tp_rank, n.request_id, UNKNOWN_LOG_S)
                 return
             if key not in self._early and len(self._early) >= MAX_EARLY:  # oldest first: it waited longest
                 dropped = self._early.pop(next(iter(self._early)))

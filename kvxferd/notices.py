@@ -44,21 +44,28 @@ class Notices:
         self._links, self._recorder, self._requester = links, recorder, requester
         self._queued: dict[tuple[str, int], list[hs.Notification]] = {}
         self._flushing = False
+        self._closed = False
         self._warned: dict[tuple[str, int], float] = {}
 
     def tell(self, host: str, port: int, notifications: list[hs.Notification]) -> None:
         """Send these to the daemon at host:port within BATCH_S."""
         if not notifications:
             return
+        if self._closed:  # the daemon is stopping: its links are gone
+            self._lost(host, port, len(notifications), "the daemon is stopping")
+            return
         self._queued.setdefault((host, port), []).extend(notifications)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_later(BATCH_S, self._flush)
 
-    def flush(self) -> None:
-        """Send what waits now (the daemon is stopping)."""
-        if self._queued:
-            self._flush()
+    def close(self) -> bool:
+        """The daemon is stopping: send what waits now, nothing after. True when something was
+        sent (the caller gives the links a moment before closing them: they close with LINGER 0)."""
+        self._closed = True
+        sent = bool(self._queued)
+        self._flush()
+        return sent
 
     def _flush(self) -> None:
         self._flushing = False

@@ -4,8 +4,8 @@ memory is served at once, rarely enough that an idle daemon costs no core.
 A peer's READ of our memory that carries a NIXL notification completes only when our UCX worker
 progresses, even over `cma` (measured: a 16-block read waited for the serving daemon's next
 tick); over UCX's TCP transport alone, any READ does. READs from daemons that send notices
-(notices.py) carry none, and over CMA (measured) or RDMA (one-sided) need nothing of us; the
-pace stays for the others.
+(notices.py) carry none, and over CMA need nothing of us (measured; over RDMA, one-sided READs
+should not either, not measured here); the pace stays for the others.
 It follows the traffic this daemon sees:
 
     activity (hold, claim, notification, handshake)   ─┬─ spin_s: yield to the loop every turn

@@ -471,7 +471,7 @@ class Reads:
             self._on_posted()
 
     def _check_posted(self, t: Transfer) -> None:
-        if not t.done:
+        if t.running and not t.done:  # not seen DONE yet (by the progress loop), nor ended
             self._check(t, time.monotonic())
 
     def _large(self, reading: Reading) -> bool:

@@ -87,12 +87,16 @@ class Link:
 
     def tell(self, req: hs.NoticeRequest) -> None:
         """Send `req`, which is not answered, now; HandshakeError when it cannot go out (the
-        peer's queue is full, or the link closed). After the requests asked before it, in order."""
+        peer's queue is full, or the link closed). After the requests asked before it, in order.
+        On the asyncio socket, as `ask`: a send on the raw one may take the socket's wake-up for
+        a reply already in, and the reader task would not see it."""
         self.used = time.monotonic()
-        try:
-            self._now.send_multipart([b"", hs.encode(req)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {exc}") from None
+        if self.sock.closed:
+            raise hs.HandshakeError("unreachable", f"link to {self.address} closed")
+        sent = cast("asyncio.Future[object]", self.sock.send_multipart([b"", hs.encode(req)], flags=zmq.NOBLOCK))
+        failed = sent.exception() if sent.done() else None
+        if failed is not None:
+            raise hs.HandshakeError("unreachable", f"side channel to {self.address}: {failed}")
 
     def _unanswered(self, seq: int, timeout_s: float) -> None:
         # A reply already in the socket is taken first: waking from a pause, this timer can run

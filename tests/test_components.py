@@ -230,6 +230,56 @@ def test_a_reads_notification_goes_on_the_side_channel_to_a_peer_that_takes_noti
 
 
 @in_world
+async def test_a_notice_is_never_answered_not_even_a_malformed_one(w: World) -> None:
+    """On a standing link a reply without seq answers the oldest lease claim waiting: a notice
+    request that cannot be read (or of a version this daemon does not speak) gets no reply at
+    all, and the next request on the link gets its own answer. Its notices are counted."""
+    ctx = zmq.asyncio.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{w.port}")
+    try:
+        forged = hs.Notification("prefill", 0, "x", 1)
+        for body in (msgspec.msgpack.encode({"kind": "notice", "version": 4, "requester": "d", "notices": [1, 2]}),
+                     msgspec.msgpack.encode({"kind": "notice", "version": 4, "surprise": True}),
+                     hs.encode(hs.NoticeRequest(99, "d", [forged, forged])),
+                     hs.encode(hs.NoticeRequest(hs.NOTICE_VERSION, "never-handshook", [forged]))):
+            await dealer.send_multipart([b"", body])
+        await dealer.send_multipart([b"", hs.encode(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill"))])
+        assert await dealer.poll(5000)
+        empty, reply = await dealer.recv_multipart()
+        assert empty == b"" and msgspec.msgpack.decode(reply, type=hs.ProbeReply).ok  # the probe's own answer
+        assert not await dealer.poll(200), "a notice was answered"
+    finally:
+        dealer.close(0)
+    received = w.prefill.recorder.metrics.notifs_received
+    assert received.labels("malformed")._value.get() == 2  # version 99's two notices
+    assert received.labels("unauthorized")._value.get() == 1
+
+
+@pytest.mark.parametrize("peer_takes_notices", [True, False])
+def test_a_full_prefix_hit_notifies_through_nixl(peer_takes_notices: bool) -> None:
+    """Nothing is read: the notification goes to the peer's NIXL agent either way, whose refusal
+    would say the daemon instance is gone (a notice goes to whichever daemon has the address)."""
+    async def main() -> None:
+        async with make_world(notices=True, peer_takes_notices=peer_takes_notices) as w:
+            p_er, d_er = w.prefill.rank, w.decode.rank
+            assert p_er is not None and d_er is not None
+            p_seq, d_seq = prompt(w, 2, 32)
+            w.holds.hold(p_er, P.Hold("prefill", 0, "hit", 30.0, [list(b) for b in p_seq.blocks]))
+            msg = msgspec.structs.replace(read_msg(w, "hit", p_seq, d_seq), num_tokens=0,
+                                          local_blocks=[[] for _ in d_seq.blocks],
+                                          remote_blocks=[[] for _ in p_seq.blocks])
+            w.reads.start(d_er, msg, time.perf_counter())
+            done = await w.completion(d_er)
+            assert done.status == "received", done
+            sent = await w.completion(p_er)
+            assert (sent.request_id, sent.status) == ("hit", "sent")
+            assert w.nixl_notifications == 1
+    asyncio.run(main())
+
+
+@in_world
 async def test_unknown_remote_engine_fails_with_the_local_block_ids(w: World) -> None:
     d_er = w.decode.rank
     assert d_er is not None
