@@ -163,15 +163,20 @@ def wait_for(what: str, check, timeout_s: float) -> None:
 def test_a_read_announced_before_the_prefill_holds_keeps_the_hold_once_it_comes():
     """The decode learns of a request before the prefill engine's hold reaches its daemon (in
     vLLM the prefill answers its client before its worker's next step sends the hold): the claim
-    is answered `pending` and asked again until the hold exists, then pinned past its lease."""
+    is answered `pending` and asked again until the hold exists, then pinned past its lease.
+
+    The claim is asked again 0.05 s after the first answer, doubling (leases.PENDING_RETRY_S): at
+    ~0.77 s and ~1.57 s after the expectation. The hold's 2 s lease outlives the gap between them
+    wherever its prefill lands in it (a hold of 0.5 s landing just after 0.77 s expired before
+    1.57 s on a slow host, and the read failed closed, as it must)."""
     with Cluster(SHAPE, 2, 2, daemon_args=["--claim-s", "1"]) as c:
         c.transfer(0, TOKENS)
         c.decode.expect(1, c.remote(1))  # nothing held yet: pending
         time.sleep(0.5)
-        blocks = c.prefill.prefill(1, TOKENS, 0.5)
-        time.sleep(2.0)  # four leases
+        blocks = c.prefill.prefill(1, TOKENS, 2.0)
+        time.sleep(3.5)  # past the hold's own lease
         out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)  # verified byte for byte
-        assert out["status"] == "received"
+        assert out["status"] == "received", out
         assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
         assert c.status(0).counters.expired == 0
 
