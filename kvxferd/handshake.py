@@ -4,9 +4,9 @@ The decode daemon asks the prefill daemon for an engine's ranks; the answer carr
 NIXL agent metadata and, per rank, the compatibility hash, the geometry and the buffer
 addresses. Each read then tells the prefill daemon, with a `Notification`, which held request
 a consumer has finished: on the side channel once the read is done (`NoticeRequest`), or, to a
-daemon from before notices, carried by the READ itself. An audited read asks, before it is reported, for the
-digests of the rows it read (`AuditRequest`, integrity.py). Payloads are msgspec msgpack
-(never pickle); every wait has a deadline.
+daemon from before notices, carried by the READ itself. An audited read asks, before it is
+reported, for the digests of the rows it read (`AuditRequest`, integrity.py). Payloads are
+msgspec msgpack (never pickle); every wait has a deadline.
 
 Side-channel version 2 tags requests (`"kind": "handshake" | "audit" | "probe"`). A probe
 (`ProbeRequest`) asks whether an engine is still registered, and under which epoch (a token the
@@ -234,6 +234,12 @@ def decode_notification(data: bytes) -> Notification | None:
 
 
 _req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest)
+_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
+_probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
+lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply)
+encode = msgspec.msgpack.Encoder().encode
+_encoder = msgspec.msgpack.Encoder()
 
 
 class _Kind(msgspec.Struct):
@@ -249,12 +255,6 @@ def _is_notice(data: bytes) -> bool:
         return _kind_decoder.decode(data).kind == "notice"
     except DECODE_ERRORS:
         return False
-_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
-_audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
-_probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
-lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply)
-encode = msgspec.msgpack.Encoder().encode
-_encoder = msgspec.msgpack.Encoder()
 
 
 def compat_fields(geo: Geometry) -> dict[str, str]:
