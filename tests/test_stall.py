@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -26,23 +29,95 @@ def test_a_late_tick_is_logged_with_how_long_the_loop_was_held(caplog):
     watch.disarm()
 
 
+def _run_script(body: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
 def test_a_loop_held_past_the_dump_time_has_its_stacks_written_while_held():
-    """In its own process: faulthandler writes the held thread's stack to stderr, naming the call."""
-    script = textwrap.dedent("""
-        import time
+    """In its own process: the watch thread writes the held thread's stack to stderr, naming the
+    call, before the call returns."""
+    proc = _run_script("""
+        import sys, threading, time
         from kvxferd.stall import StallWatch
 
         def blocking_call():
             time.sleep(1.5)  # the loop's thread, held
 
+        def other_work():
+            time.sleep(30)
+
+        threading.Thread(target=other_work, name="a-worker", daemon=True).start()
         watch = StallWatch(time.monotonic(), dump_after_s=0.5)
         watch.arm(time.monotonic())
         blocking_call()
+        print("the call returned", file=sys.stderr, flush=True)
         watch.disarm()
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "Timeout (0:00:00.500000)!" in out.stderr and "blocking_call" in out.stderr, out.stderr
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    dump, returned, after = err.partition("the call returned")
+    assert returned and not after.strip(), err  # one dump, written while the call held the loop
+    assert "event loop not back for 0.5 s" in dump, err
+    assert "in blocking_call" in dump and "Thread a-worker" in dump and "in other_work" in dump, err
+
+
+def test_dumps_while_threads_come_and_go_do_not_break_the_process():
+    """Stacks are read holding the GIL: threads starting, running Python and ending meanwhile are
+    safe. faulthandler's watchdog walked them without it; a thread ending under its walk
+    segfaults (this script with `faulthandler.dump_traceback_later` did, 3 runs of 3)."""
+    proc = _run_script("""
+        import sys, threading, time
+        from kvxferd.stall import StallWatch
+
+        def deep(n):
+            return deep(n - 1) if n else sum(range(50))
+
+        def spawn():
+            while True:
+                t = threading.Thread(target=deep, args=(30,))
+                t.start()
+                t.join()
+
+        for _ in range(2):
+            threading.Thread(target=spawn, daemon=True).start()
+        watch = StallWatch(time.monotonic(), dump_after_s=0.01)
+        for _ in range(150):
+            watch.arm(time.monotonic())
+            time.sleep(0.02)  # held past the dump time: one dump each
+        watch.disarm()
+        print("survived", flush=True)
+    """)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip() == "survived", (proc.returncode, err[-2000:])
+    assert err.count("event loop not back for") >= 100, err[-2000:]  # the dumps happened
+    assert "in spawn" in err, err[-2000:]
+
+
+def test_a_process_stopped_past_the_dump_time_is_not_taken_for_a_held_loop():
+    """SIGSTOP stops the watch thread too: on SIGCONT it gives the loop a grace period, and a loop
+    that comes back within it is not dumped."""
+    proc = _run_script("""
+        import sys, time
+        from kvxferd.stall import StallWatch
+
+        watch = StallWatch(time.monotonic(), dump_after_s=0.5)
+        print("ready", flush=True)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            watch.arm(time.monotonic())  # the loop, ticking
+            time.sleep(0.1)
+        watch.disarm()
+        print("done", flush=True)
+    """)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(2.0)  # four times the dump time
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == "done", err
+    assert "event loop not back" not in err, err
 
 
 def test_without_a_usable_stderr_there_are_no_dumps_and_no_errors(monkeypatch):
