@@ -41,6 +41,7 @@ from .holds import Holds
 from .lanes import Lanes
 from .leases import Leases
 from .liveness import Liveness
+from .logs import Throttle
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
 from .notices import Notices
@@ -230,15 +231,14 @@ class Daemon:
             self.pace.active(time.monotonic())
 
     async def _housekeeping(self) -> None:
-        logged: dict[str, float] = {}  # step -> when its failure was last logged
+        failed = Throttle(HOUSEKEEPING_LOG_S)  # a step's failure, by step
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             for name, step in self._housekeeping_steps(time.monotonic()):
                 try:
                     step()
                 except Exception:  # one failing step must not end the others: leases, deadlines, pauses
-                    if time.monotonic() - logged.get(name, -HOUSEKEEPING_LOG_S) >= HOUSEKEEPING_LOG_S:
-                        logged[name] = time.monotonic()
+                    if failed.due(name):
                         log.exception("housekeeping step %s failed (logged at most every %g s)", name,
                                       HOUSEKEEPING_LOG_S)
 

@@ -46,6 +46,7 @@ from . import handshake as hs
 from . import integrity
 from . import protocol as P
 from .engines import EngineKey, EngineRank, Engines
+from .logs import Throttle
 from .nixl_driver import NixlDriver
 from .protocol import RequestError
 from .recorder import HoldOutcome, Recorder
@@ -215,7 +216,7 @@ class Holds:
         self._ended: dict[HoldKey, Ended] = {}  # recently ended holds, oldest first (bounded)
         self._notifiers: OrderedDict[tuple[str, str], None] = OrderedDict()  # (engine id, peer agent)
         self._refused_senders: set[str] = set()  # senders of refused notifications already logged
-        self._unknown_logged = float("-inf")  # when a notification for an unknown engine was last logged
+        self._unknown_logged = Throttle(UNKNOWN_LOG_S)  # notifications for an engine not registered here
 
     @property
     def held(self) -> int:
@@ -299,9 +300,7 @@ class Holds:
         if held is None:
             if not self._engines.knows((n.engine_id, n.tp_rank)):
                 self._recorder.notification_received("unknown")
-                now = time.monotonic()
-                if now - self._unknown_logged >= UNKNOWN_LOG_S:  # one notice request names up to 4,096
-                    self._unknown_logged = now
+                if self._unknown_logged.due():  # one notice request names up to 4,096
                     log.warning("notification for unknown engine %s rank %d request %s dropped (logged at "
                                 "most every %g s)", n.engine_id, n.tp_rank, n.request_id, UNKNOWN_LOG_S)
                 return

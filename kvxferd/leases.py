@@ -43,6 +43,7 @@ import zmq
 
 from . import handshake as hs
 from . import protocol as P
+from .logs import Throttle
 from .recorder import Recorder
 from .sidelink import Links
 
@@ -109,7 +110,7 @@ class Leases:
         self._expects: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
         self._expect_claims = 0  # claim keys the expectations hold, together
         self._renewals: list[tuple[float, ClaimKey]] = []  # heap: when a claim should be asked again
-        self._warned: dict[tuple[str, int], float] = {}  # peer -> when a refusal of it was last logged
+        self._warned = Throttle(WARN_S)  # a refusal, by peer
 
     @property
     def claims(self) -> int:
@@ -376,11 +377,7 @@ class Leases:
 
     def _warn(self, host: str, port: int, msg: str) -> None:
         """A refusal, logged at most every WARN_S per peer (a read asks again every RETRY_S)."""
-        now = time.monotonic()
-        if now - self._warned.get((host, port), -WARN_S) >= WARN_S:
-            if len(self._warned) >= 4096:
-                self._warned.clear()
-            self._warned[(host, port)] = now
+        if self._warned.due((host, port)):
             log.warning(msg, host, port)
 
     def renew(self, now: float) -> None:

@@ -5,9 +5,31 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Hashable
 from types import TracebackType
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+
+class Throttle:
+    """Whether a message about `key` may be logged now: at most once every `every_s` per key, so
+    one cause repeated thousands of times a second (a flood, a peer refusing every claim) makes
+    one line. Keys can come off the wire: past MAX_KEYS the memory starts again."""
+
+    MAX_KEYS = 4096
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: dict[Hashable, float] = {}
+
+    def due(self, key: Hashable = None) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(key, float("-inf")) < self.every_s:
+            return False
+        if len(self._last) >= self.MAX_KEYS:
+            self._last.clear()
+        self._last[key] = now
+        return True
 
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}

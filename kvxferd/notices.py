@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from . import handshake as hs
+from .logs import Throttle
 from .recorder import Recorder
 from .sidelink import Links
 
@@ -45,7 +45,7 @@ class Notices:
         self._queued: dict[tuple[str, int], list[hs.Notification]] = {}
         self._flushing = False
         self._closed = False
-        self._warned: dict[tuple[str, int], float] = {}
+        self._warned = Throttle(WARN_S)  # notices lost, by peer
 
     def tell(self, host: str, port: int, notifications: list[hs.Notification]) -> None:
         """Send these to the daemon at host:port within BATCH_S."""
@@ -84,10 +84,6 @@ class Notices:
 
     def _lost(self, host: str, port: int, n: int, why: str) -> None:
         self._recorder.notices_lost(n)
-        now = time.monotonic()
-        if now - self._warned.get((host, port), -WARN_S) >= WARN_S:
-            if len(self._warned) >= 4096:
-                self._warned.clear()
-            self._warned[(host, port)] = now
+        if self._warned.due((host, port)):
             log.warning("%d notifications to %s:%d not sent (their holds end with their leases): %s",
                         n, host, port, why)

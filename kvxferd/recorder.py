@@ -16,6 +16,7 @@ import numpy as np
 from prometheus_client import Counter, Histogram
 
 from . import protocol as P
+from .logs import Throttle
 from .metrics import Metrics
 
 log = logging.getLogger("kvxferd")
@@ -64,7 +65,7 @@ class Recorder:
         self._read_series: dict[str, _ReadSeries] = {}  # by peer label: at most PEER_LABELS + 1
         # by (method, outcome): method names are the protocol's, a bounded set
         self._rpc_series: dict[tuple[str, RpcOutcome], tuple[Counter, Histogram]] = {}
-        self._accept_logged = -1.0
+        self._accept_failed = Throttle(1.0)
         for state in PEER_STATES:  # every series from the start: dashboards and alerts see zeros
             self.metrics.peers.labels(state).set(0)
         for reason in RETIRE_REASONS:
@@ -110,9 +111,7 @@ class Recorder:
         once a second (a flood fails thousands of times)."""
         name = errno.errorcode.get(exc.errno or 0, "other")
         self.metrics.accept_errors.labels(name).inc()
-        now = time.monotonic()
-        if now - self._accept_logged >= 1.0:
-            self._accept_logged = now
+        if self._accept_failed.due():
             log.warning("engine socket: accept failed (%s); retrying with backoff", exc)
 
     def engines_changed(self, ranks: int, engines: int, registered_bytes: int) -> None:

@@ -230,6 +230,22 @@ def http(address: str, request: bytes) -> bytes:
     return b"".join(chunks)
 
 
+def test_a_throttled_message_is_logged_once_per_key_and_period_with_bounded_memory(monkeypatch):
+    """Repeated causes (a peer refusing every claim, a flood of forged notices) make one log line
+    per key and period; keys off the wire cannot grow the memory past MAX_KEYS."""
+    now = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    throttle = logs.Throttle(10.0)
+    assert throttle.due(("a", 1)) and throttle.due(("b", 1)) and not throttle.due(("a", 1))
+    now[0] = 109.9
+    assert not throttle.due(("a", 1))
+    now[0] = 110.0
+    assert throttle.due(("a", 1)) and not throttle.due(("a", 1))
+    for i in range(3 * logs.Throttle.MAX_KEYS):
+        throttle.due(("peer", i))
+    assert len(throttle._last) <= logs.Throttle.MAX_KEYS
+
+
 def test_metrics_http_caps_request_head(daemon):
     with Client(daemon.socket) as c:
         address = c.status().metrics
