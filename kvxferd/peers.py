@@ -94,6 +94,11 @@ class Peer:
     reason: RetireReason | None = None  # why it was retired
 
     @property
+    def takes_notices(self) -> bool:
+        """Its daemon takes a done read's notifications on the side channel (else they ride READs)."""
+        return self.notices == hs.NOTICE_VERSION
+
+    @property
     def state(self) -> PeerState:
         return "retired" if self.retired else "ready" if self.ready.done() else "handshaking"
 

@@ -181,7 +181,7 @@ class Transfer:
         self.posted_at = time.monotonic()  # before the first slice: a lane may end it at once
         ref = self.msg.remote
         expected = route.expected
-        on_side_channel = notices is not None and route.peer.notices == hs.NOTICE_VERSION
+        on_side_channel = self.side_channel(notices) is not None
         try:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
@@ -258,13 +258,20 @@ class Transfer:
             log.warning("read %s arrived, but notifying %s failed: %s", self.msg.request_id,
                         self.route.peer.engine_id, exc)
 
+    def side_channel(self, notices: Notices | None) -> Notices | None:
+        """Where this read's notifications go instead of riding its READs: `notices` when its
+        peer daemon takes them, else None (none here, or a peer from before notices)."""
+        assert self.route is not None
+        return notices if notices is not None and self.route.peer.takes_notices else None
+
     def _notify(self, notifications: list[hs.Notification], nixl: NixlDriver, notices: Notices | None) -> None:
         """On the side channel where the peer daemon takes notices, else as NIXL notifications
         (TransferError when NIXL refuses one)."""
         route = self.route
         assert route is not None
-        if notices is not None and route.peer.notices == hs.NOTICE_VERSION:
-            notices.tell(route.peer.host, route.peer.port, notifications)
+        side = self.side_channel(notices)
+        if side is not None:
+            side.tell(route.peer.host, route.peer.port, notifications)
             return
         for notif in notifications:
             nixl.notify(route.agent, _encode(notif))
@@ -462,7 +469,7 @@ class Reads:
             return
         if early:  # the loop was held through the copy if it ran inside the post (CMA): see it ended now
             self._settle_at_once(t)
-        elif not t.split and self._notices is not None and route.peer.notices == hs.NOTICE_VERSION:
+        elif not t.split and t.side_channel(self._notices) is not None:
             # No READ carries a notification, so none waits for the peer's progress: over CMA the
             # copy ran inside the post and the READs are DONE already. Checked once the engine's
             # answer has left (its replies go out as this loop callback ends).
