@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
@@ -18,12 +18,12 @@ class Throttle:
 
     MAX_KEYS = 4096
 
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
         self._last: dict[Hashable, float] = {}
 
     def due(self, key: Hashable = None) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last.get(key, float("-inf")) < self.every_s:
             return False
         if len(self._last) >= self.MAX_KEYS:

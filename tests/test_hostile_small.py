@@ -230,12 +230,11 @@ def http(address: str, request: bytes) -> bytes:
     return b"".join(chunks)
 
 
-def test_a_throttled_message_is_logged_once_per_key_and_period_with_bounded_memory(monkeypatch):
+def test_a_throttled_message_is_logged_once_per_key_and_period_with_bounded_memory():
     """Repeated causes (a peer refusing every claim, a flood of forged notices) make one log line
     per key and period; keys off the wire cannot grow the memory past MAX_KEYS."""
     now = [100.0]
-    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
-    throttle = logs.Throttle(10.0)
+    throttle = logs.Throttle(10.0, clock=lambda: now[0])
     assert throttle.due(("a", 1)) and throttle.due(("b", 1)) and not throttle.due(("a", 1))
     now[0] = 109.9
     assert not throttle.due(("a", 1))
