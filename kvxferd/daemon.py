@@ -52,6 +52,7 @@ from .reads import Reads
 from .recorder import Recorder, RpcOutcome
 from .rpc import FrameError, ServerConnection, serve_unix
 from .sdnotify import SystemdNotifier
+from .serving import Readers
 from .sidelink import Links
 from .sockdir import unlink_if_bound
 from .stall import StallWatch
@@ -78,6 +79,7 @@ class Daemon:
         self._socket_gid: int | None = None
         self._wake = Wake()  # a READ was posted or a hold arrived: progress NIXL now
         self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
+        self.readers = Readers()  # whether peers reading our memory need our progress (serving.py)
         self.metrics_port = 0
 
     # --- lifecycle ------------------------------------------------------------
@@ -209,7 +211,9 @@ class Daemon:
                     continue
                 await self._wake.sleep(wait)  # a lane's slice posted (or a new READ) wakes it sooner
                 continue
-            wait = self.pace.idle_wait(time.monotonic(), bool(self.holds.held))
+            now = time.monotonic()
+            wait = self.pace.idle_wait(now, self.readers.serving(now)
+                                       or (bool(self.holds.held) and self.readers.unasked(now)))
             if wait == SPIN:
                 os.sched_yield()
                 await asyncio.sleep(0)
@@ -222,13 +226,11 @@ class Daemon:
         except Exception as exc:
             log.warning("reading notifications failed: %s", exc)
             return
-        arrived = False
+        now = time.monotonic()
         for sender, messages in notifs.items():  # NIXL keeps an entry, often empty, per known agent
-            for m in messages:
-                self.holds.on_notification(sender, m)  # the sender's name, as it declared it
-                arrived = True
-        if arrived:
-            self.pace.active(time.monotonic())
+            for m in messages:  # the sender's name, as it declared it
+                if self.holds.on_notification(sender, m) and self.readers.heard(sender, now):
+                    self.pace.active(now)
 
     async def _housekeeping(self) -> None:
         failed = Throttle(HOUSEKEEPING_LOG_S)  # a step's failure, by step
@@ -265,18 +267,35 @@ class Daemon:
             self.engines.release(er)
 
     def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply | Awaitable[hs.SideReply] | None:
-        if isinstance(req, hs.AuditRequest):
-            return self.holds.answer_audit(req)
-        if isinstance(req, hs.ProbeRequest):
-            return self.engines.answer_probe(req)
-        self.pace.active(time.monotonic())  # a peer is about to read our memory
+        now = time.monotonic()
+        match req:
+            case hs.AuditRequest():
+                return self.holds.answer_audit(req)
+            case hs.ProbeRequest():
+                return self.engines.answer_probe(req)
+            case hs.LeaseRequest():
+                if self.readers.unasked(now):  # a reader that never asks is about to read our memory
+                    self._progress_now(now)
+                return self.holds.answer_lease(req)
+            case hs.NoticeRequest():
+                if self.holds.take_notices(req) and self.readers.heard(
+                        req.requester, now, asks=req.version == hs.SERVE_VERSION):
+                    self._progress_now(now)
+                return None
+            case hs.ServeRequest():
+                if req.version == hs.SERVE_VERSION:
+                    self.recorder.serve_request("received")
+                    self.readers.serve(req.serve_s, now)
+                    self._progress_now(now)
+                return None
+            case _:  # a handshake: the first READ on a new endpoint wires it up, which needs our progress
+                self._progress_now(now)
+                return self.holds.answer_handshake(req)
+
+    def _progress_now(self, now: float) -> None:
+        """A peer's READ of our memory may need our NIXL progress from now on (pace.py)."""
+        self.pace.active(now)
         self._wake.set()
-        if isinstance(req, hs.LeaseRequest):
-            return self.holds.answer_lease(req)
-        if isinstance(req, hs.NoticeRequest):
-            self.holds.take_notices(req)
-            return None
-        return self.holds.answer_handshake(req)
 
     def _on_refused_peer(self, event: int) -> None:
         self.recorder.peer_refused_at_auth()
@@ -423,8 +442,9 @@ class Daemon:
 
     def _hold(self, er: EngineRank, msg: P.Hold) -> Awaitable[object] | None:
         digesting = self.holds.hold(er, msg)
-        self.pace.active(time.monotonic())
-        self._wake.set()
+        now = time.monotonic()
+        if self.readers.unasked(now):  # a reader that never asks for progress may read it at once
+            self._progress_now(now)
         return digesting
 
     def _batch(self, conn: ServerConnection, items: list[P.Hold | P.Read | P.Expect],

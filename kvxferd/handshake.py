@@ -16,6 +16,8 @@ malformed request: alive, epoch unknown. Version 3 adds `"lease"`, a decode daem
 the holds it reads (leases.py), sent over one DEALER connection per peer daemon (sidelink.py).
 Version 4 adds `"notice"`: the notifications of reads that are done, on that same connection
 instead of on the READs (notices.py), to a daemon whose handshake reply says it takes them.
+Version 5 adds `"serve"`: a reader asks for the serving daemon's NIXL progress when a READ of
+its needs it, instead of that daemon progressing for every hold (serving.py).
 
 What a handshake grants is scoped to the engine it names: the reply's metadata covers that
 engine's registered memory only, and the requester (the asking daemon's NIXL agent) is the
@@ -43,6 +45,7 @@ from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 HANDSHAKE_VERSION = 2  # of handshakes and audits; leases are version 3 (LeaseRequest)
 LEASE_VERSION = 3
 NOTICE_VERSION = 4
+SERVE_VERSION = 5  # also the version of notices from a reader that asks for progress
 MAX_MESSAGE = 256 << 20
 MAX_AUDIT_ROWS = 4 << 20
 
@@ -135,6 +138,9 @@ class HandshakeReply(msgspec.Struct):
     # the `NoticeRequest` version the answering daemon takes (side-channel version 4); 0 from a
     # daemon before notices: READs to it carry their notifications
     notices: int = 0
+    # the `ServeRequest` version the answering daemon takes (5): it progresses NIXL for readers
+    # that ask; 0 from a daemon before: it progresses while it holds anything
+    serve: int = 0
     epoch: Epoch = ""  # the engine's registration (see ProbeRequest); "" from a daemon before epochs
 
     @property
@@ -188,9 +194,23 @@ class NoticeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind"
     are, from `requester` (the agent that handshook). Not answered: a reply per batch would queue
     the lease answers on the same link behind it."""
 
-    version: int
+    version: int  # NOTICE_VERSION; SERVE_VERSION from a reader that asks for progress (serving.py)
     requester: Annotated[str, Meta(max_length=1024)]
     notices: Annotated[list[Notification], Meta(max_length=MAX_CLAIMS)]
+
+
+MAX_SERVE_S = 10.0
+
+
+class ServeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag="serve"):
+    """Side-channel version 5: a reader's READ of the answering daemon's memory is under way and
+    not done once posted (UCX over TCP, a new endpoint's wire-up, a READ that carried a NIXL
+    notification): progress NIXL often for `serve_s`. Sent on the reader's link, at most every
+    half `serve_s` per peer while such READs run; never answered, as a notice is not."""
+
+    version: int
+    requester: Annotated[str, Meta(max_length=1024)]
+    serve_s: Annotated[float, Meta(gt=0, le=MAX_SERVE_S)]
 
 
 ClaimState = Literal["held", "consumed", "pending", "ended"]
@@ -233,7 +253,8 @@ def decode_notification(data: bytes) -> Notification | None:
         return None
 
 
-_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest)
+_req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest
+                                       | ServeRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
 _probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
@@ -249,10 +270,10 @@ class _Kind(msgspec.Struct):
 _kind_decoder = msgspec.msgpack.Decoder(_Kind)
 
 
-def _is_notice(data: bytes) -> bool:
-    """Whether a request that could not be read or answered says it is a notice."""
+def _unanswered(data: bytes) -> bool:
+    """Whether a request that could not be read or answered says it is of a kind never answered."""
     try:
-        return _kind_decoder.decode(data).kind == "notice"
+        return _kind_decoder.decode(data).kind in ("notice", "serve")
     except DECODE_ERRORS:
         return False
 
@@ -356,7 +377,7 @@ def generate_keys(directory: str, name: str = "kvxferd", force: bool = False) ->
     return str(public), str(secret)
 
 
-SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest
+SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest | ServeRequest
 SideReply = HandshakeReply | AuditReply | ProbeReply | LeaseReply
 Answer = Callable[[SideRequest], "SideReply | Awaitable[SideReply] | None"]  # None: nothing to answer
 MAX_ANSWERS_PENDING = 256  # answers still being computed (audits digesting); more wait their turn
@@ -413,14 +434,14 @@ class HandshakeServer:
             try:
                 reply = self.answer(_req_decoder.decode(parts[2]))
             except DECODE_ERRORS as exc:
-                # A notice is never answered, not even its refusal: on a link (sidelink.py) a
+                # A notice (or serve request) is never answered, not even its refusal: on a link (sidelink.py) a
                 # reply without seq would be taken for the refusal of the oldest lease claim.
-                reply = None if _is_notice(parts[2]) else HandshakeReply(
+                reply = None if _unanswered(parts[2]) else HandshakeReply(
                     False, f"malformed side-channel request: {exc}")
             except Exception as exc:  # the side channel must outlive any one request
-                reply = None if _is_notice(parts[2]) else HandshakeReply(
+                reply = None if _unanswered(parts[2]) else HandshakeReply(
                     False, f"internal error: {type(exc).__name__}: {exc}")
-            if reply is None:  # a notice: answered by nothing
+            if reply is None:  # a notice or a serve request: answered by nothing
                 await asyncio.sleep(0)
             elif isinstance(reply, HandshakeReply | AuditReply | ProbeReply | LeaseReply):
                 await self.sock.send_multipart([parts[0], b"", _encoder.encode(reply)])

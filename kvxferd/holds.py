@@ -264,28 +264,32 @@ class Holds:
         view.add_done_callback(_retrieved)  # a view nobody awaited (its connection went) logs nothing
         return view
 
-    def on_notification(self, sender: str, data: bytes) -> None:
-        """A peer's NIXL notification; `sender` is the agent name NIXL reports it under."""
+    def on_notification(self, sender: str, data: bytes) -> bool:
+        """A peer's NIXL notification; `sender` is the agent name NIXL reports it under. True when
+        that agent may notify for the engine it names."""
         n = hs.decode_notification(data)
         if n is None:
             self._recorder.notification_received("malformed")
-            return
-        self._notified(sender, n)
+            return False
+        return self._notified(sender, n)
 
-    def take_notices(self, req: hs.NoticeRequest) -> None:
+    def take_notices(self, req: hs.NoticeRequest) -> bool:
         """A peer daemon's notifications on the side channel, from the agent it names as requester
-        (not answered: a version this daemon does not speak is counted malformed)."""
-        if req.version != hs.NOTICE_VERSION:
+        (not answered: a version this daemon does not speak is counted malformed). True when one
+        of them came from an agent that may notify for the engine it names."""
+        if req.version not in (hs.NOTICE_VERSION, hs.SERVE_VERSION):
             for _ in req.notices:
                 self._recorder.notification_received("malformed")
-            return
+            return False
+        authorized = False
         for n in req.notices:
-            self._notified(req.requester, n)
+            authorized |= self._notified(req.requester, n)
+        return authorized
 
-    def _notified(self, sender: str, n: hs.Notification) -> None:
+    def _notified(self, sender: str, n: hs.Notification) -> bool:
         """One consumer is done with a hold. Counted only from an agent that handshook for the
         engine it names (anyone who can reach our NIXL agent or side channel can send one, under
-        any name); others are dropped and counted `unauthorized`."""
+        any name); others are dropped and counted `unauthorized` (False)."""
         notifier = (n.engine_id, sender)
         if notifier not in self._notifiers:
             self._recorder.notification_received("unauthorized")
@@ -293,7 +297,7 @@ class Holds:
                 self._refused_senders.add(sender)  # logged once per sender: a flood is counted, not logged
                 log.warning("notification from agent %r for engine %s rank %d request %s dropped: that agent "
                             "never handshook for the engine", sender[:256], n.engine_id, n.tp_rank, n.request_id)
-            return
+            return False
         self._notifiers.move_to_end(notifier)
         key = (n.engine_id, n.tp_rank, n.request_id)
         held = self._held.get(key)
@@ -303,7 +307,7 @@ class Holds:
                 if self._unknown_logged.due():  # one notice request names up to 4,096
                     log.warning("notification for unknown engine %s rank %d request %s dropped (logged at "
                                 "most every %g s)", n.engine_id, n.tp_rank, n.request_id, UNKNOWN_LOG_S)
-                return
+                return True
             if key not in self._early and len(self._early) >= MAX_EARLY:  # oldest first: it waited longest
                 dropped = self._early.pop(next(iter(self._early)))
                 self._recorder.early_notifications_dropped(dropped.count)
@@ -311,7 +315,7 @@ class Holds:
             early.count, early.expected = early.count + 1, n.expected
             early.senders.add(sender)
             self._recorder.notification_received("early")
-            return
+            return True
         self._recorder.notification_received("consumer")
         held.count += 1
         held.expected = n.expected
@@ -323,6 +327,7 @@ class Holds:
                 held.pins.pop(agent, None)
         self._settle(held, time.monotonic())
         self._recorder.holds_now(len(self._held))
+        return True
 
     def _forget(self, held: Held, outcome: HoldOutcome) -> None:
         """A hold ended: an audit or a claim that names it now is refused, not told to wait for it."""
@@ -430,7 +435,7 @@ class Holds:
         self._recorder.handshake_answered("ok")
         return hs.HandshakeReply(True, agent=self._nixl.name, metadata=metadata[0],
                                  ranks=[e.rank_info() for e in ranks], more_metadata=metadata[1:],
-                                 epoch=ranks[0].epoch, notices=hs.NOTICE_VERSION)
+                                 epoch=ranks[0].epoch, notices=hs.NOTICE_VERSION, serve=hs.SERVE_VERSION)
 
     def answer_lease(self, req: hs.LeaseRequest) -> hs.LeaseReply:
         """A decode daemon's claims on holds it reads or will read (see the module's doc)."""

@@ -15,6 +15,10 @@ Notices travel behind the lease claims asked before them on the same connection.
 cannot be sent (the peer's queue full, no route) is counted and logged; the hold it would have
 ended lives until its lease (the prefill engine gets its blocks back then, as after a lost NIXL
 notification).
+
+To a daemon that serves on request (side-channel version 5, serving.py) notices go as version
+5, which tells it that this daemon asks for its progress when a READ needs it: `serve` sends
+that request at once, not batched (the READ waits on it), at most every SERVE_S / 2 per peer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger("kvxferd")
 # A hold ends this much later; its lease is seconds.
 BATCH_S = 0.005
 WARN_S = 10.0  # notices to a peer that could not be sent are logged at most this often
+SERVE_S = 1.0  # a serve request asks for this much of the peer's progress; asked again at half
 
 
 class Notices:
@@ -42,19 +47,20 @@ class Notices:
 
     def __init__(self, links: Links, recorder: Recorder, requester: str) -> None:
         self._links, self._recorder, self._requester = links, recorder, requester
-        self._queued: dict[tuple[str, int], list[hs.Notification]] = {}
+        self._queued: dict[tuple[str, int, int], list[hs.Notification]] = {}  # by peer and version
+        self._served = Throttle(SERVE_S / 2)  # serve requests, by peer
         self._flushing = False
         self._closed = False
         self._warned = Throttle(WARN_S)  # notices lost, by peer
 
-    def tell(self, host: str, port: int, notifications: list[hs.Notification]) -> None:
-        """Send these to the daemon at host:port within BATCH_S."""
+    def tell(self, host: str, port: int, notifications: list[hs.Notification], version: int) -> None:
+        """Send these to the daemon at host:port within BATCH_S, as a NoticeRequest of `version`."""
         if not notifications:
             return
         if self._closed:  # the daemon is stopping: its links are gone
             self._lost(host, port, len(notifications), "the daemon is stopping")
             return
-        self._queued.setdefault((host, port), []).extend(notifications)
+        self._queued.setdefault((host, port, version), []).extend(notifications)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_later(BATCH_S, self._flush)
@@ -70,13 +76,25 @@ class Notices:
     def _flush(self) -> None:
         self._flushing = False
         queued, self._queued = self._queued, {}
-        for (host, port), notifications in queued.items():
+        for (host, port, version), notifications in queued.items():
             for i in range(0, len(notifications), hs.MAX_CLAIMS):
-                self._send(host, port, notifications[i:i + hs.MAX_CLAIMS])
+                self._send(host, port, notifications[i:i + hs.MAX_CLAIMS], version)
 
-    def _send(self, host: str, port: int, chunk: list[hs.Notification]) -> None:
+    def serve(self, host: str, port: int) -> None:
+        """Ask the daemon at host:port for SERVE_S of its progress now (unless asked within
+        SERVE_S / 2): a READ of its memory is running, not done once posted."""
+        if self._closed or not self._served.due((host, port)):
+            return
         try:
-            self._links.to(host, port).tell(hs.NoticeRequest(hs.NOTICE_VERSION, self._requester, chunk))
+            self._links.to(host, port).tell(hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
+            self._recorder.serve_request("sent")
+        except Exception as exc:  # the READ goes on; the peer's own pace decides when it is served
+            if not isinstance(exc, hs.HandshakeError):
+                log.error("serve request to %s:%d failed unexpectedly", host, port, exc_info=exc)
+
+    def _send(self, host: str, port: int, chunk: list[hs.Notification], version: int) -> None:
+        try:
+            self._links.to(host, port).tell(hs.NoticeRequest(version, self._requester, chunk))
         except Exception as exc:  # whatever one peer's address does, the others' notices still go
             if not isinstance(exc, hs.HandshakeError):
                 log.error("notices to %s:%d failed unexpectedly", host, port, exc_info=exc)

@@ -5,13 +5,13 @@ A peer's READ of our memory that carries a NIXL notification completes only when
 progresses, even over `cma` (measured: a 16-block read waited for the serving daemon's next
 tick); over UCX's TCP transport alone, any READ does. READs from daemons that send notices
 (notices.py) carry none, and over CMA need nothing of us (measured; over RDMA, one-sided READs
-should not either, not measured here); the pace stays for the others.
-It follows the traffic this daemon sees:
+should not either, not measured here). Which of our readers need our progress, and when, is
+serving.py's to say; the pace follows it:
 
-    activity (hold, claim, notification, handshake)   ─┬─ spin_s: yield to the loop every turn
-                                                       ├─ hot_s, or while requests are held:
-                                                       │      every idle_poll_s (timer resolution 1 ms)
-                                                       └─ then: every idle_max_s
+    activity (a handshake, a serve request; a hold, claim   ─┬─ spin_s: yield to the loop every turn
+    or notification while a reader that never asks reads)    ├─ hot_s, or while `needed`:
+                                                             │      every idle_poll_s (timer resolution 1 ms)
+                                                             └─ then: every idle_max_s
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ class Pace:
     def active(self, now: float) -> None:
         self.last_activity = now
 
-    def idle_wait(self, now: float, holding: bool) -> float:
-        """Seconds to wait for a wake-up before progressing NIXL again (SPIN: just yield)."""
+    def idle_wait(self, now: float, needed: bool) -> float:
+        """Seconds to wait for a wake-up before progressing NIXL again (SPIN: just yield).
+        `needed`: a reader asked for progress, or one that never asks may read what we hold."""
         quiet = now - self.last_activity
         if quiet < self.spin_s:
             return SPIN
-        if holding or quiet < self.hot_s:
+        if needed or quiet < self.hot_s:
             return self.idle_poll_s
         return self.idle_max_s
 

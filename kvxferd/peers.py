@@ -84,6 +84,7 @@ class Peer:
     handshake_s: float = 0.0
     epoch: str = ""  # the engine's registration, from the handshake ("": a daemon before epochs)
     notices: int = 0  # the NoticeRequest version its daemon takes (0: none; notices.py)
+    serve: int = 0  # the ServeRequest version its daemon takes (0: none; it progresses unasked)
     # monotonic: its side channel last answered (handshake, probe), moved on by any time this
     # daemon itself did not run (liveness.py)
     heard: float = 0.0
@@ -97,6 +98,12 @@ class Peer:
     def takes_notices(self) -> bool:
         """Its daemon takes a done read's notifications on the side channel (else they ride READs)."""
         return self.notices == hs.NOTICE_VERSION
+
+    @property
+    def serves_on_request(self) -> bool:
+        """Its daemon progresses NIXL for our READs only when asked (serving.py), and takes our
+        notices as saying so."""
+        return self.takes_notices and self.serve == hs.SERVE_VERSION
 
     @property
     def state(self) -> PeerState:
@@ -217,7 +224,7 @@ class Peers:
                 peer.agent = self._nixl.add_peer(blob)
             peer.metadata = metadata  # posting lanes load it on first use
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
-            peer.epoch, peer.heard, peer.notices = reply.epoch, time.monotonic(), reply.notices
+            peer.epoch, peer.heard, peer.notices, peer.serve = reply.epoch, time.monotonic(), reply.notices, reply.serve
             peer.used = peer.probed = peer.heard
             self._recorder.handshake_ran(peer.engine_id, peer.handshake_s)
             peer.ready.set_result(None)

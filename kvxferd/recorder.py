@@ -204,6 +204,9 @@ class Recorder:
     def notices_lost(self, n: int) -> None:
         self.metrics.notifs_lost.inc(n)
 
+    def serve_request(self, way: Literal["sent", "received"]) -> None:
+        self.metrics.serve_requests.labels(way).inc()
+
     def notification_received(self, kind: NotificationKind) -> None:
         if kind in ("unknown", "malformed"):
             self.counters.unknown_notifs += 1

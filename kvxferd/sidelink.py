@@ -85,7 +85,7 @@ class Link:
         fut.add_done_callback(ended)
         return fut
 
-    def tell(self, req: hs.NoticeRequest) -> None:
+    def tell(self, req: hs.NoticeRequest | hs.ServeRequest) -> None:
         """Send `req`, which is not answered, now; HandshakeError when it cannot go out (the
         peer's queue is full, or the link closed). After the requests asked before it, in order.
         On the asyncio socket, as `ask`: a send on the raw one may take the socket's wake-up for

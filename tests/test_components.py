@@ -84,6 +84,8 @@ class World:
     reads: Reads
     port: int
     nixl_notifications: int = 0  # taken off the prefill's NIXL agent (not the side channel)
+    notice_versions: list[int] = field(default_factory=list)  # of the notice requests the prefill got
+    serve_requests: int = 0  # requests for the prefill's progress
 
     def remote(self, request_id: str) -> P.RemoteRef:
         return P.RemoteRef("prefill", "127.0.0.1", self.port, 1, request_id)
@@ -109,33 +111,42 @@ class World:
 
 
 @contextlib.asynccontextmanager
-async def make_world(notices: bool = False, peer_takes_notices: bool = True) -> AsyncIterator[World]:
+async def make_world(notices: bool = False, peer: int = hs.SERVE_VERSION) -> AsyncIterator[World]:
     """`notices`: the decode side sends notifications on the side channel (notices.py) to a peer
-    that takes them; `peer_takes_notices` False: the prefill side answers handshakes as a daemon
-    from before notices."""
+    that takes them; `peer`: the side-channel version the prefill side answers handshakes as
+    (below NOTICE_VERSION: a daemon from before notices; below SERVE_VERSION: before serve
+    requests)."""
     ctx = zmq.asyncio.Context()
     p, d = side("p"), side("d")
     p.register("prefill")
     d.register("decode")
     holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
-
-    def answer(req: hs.SideRequest) -> hs.SideReply | None:  # (no audits or leases here)
-        if isinstance(req, hs.ProbeRequest):
-            return p.engines.answer_probe(req)
-        if isinstance(req, hs.NoticeRequest):
-            return holds.take_notices(req)
-        assert isinstance(req, hs.HandshakeRequest)
-        reply = holds.answer_handshake(req)
-        return reply if peer_takes_notices else msgspec.structs.replace(reply, notices=0)
-    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, answer)
-    task = asyncio.create_task(server.run())
     no_lanes = Lanes(0, 8 << 20, "d", ("UCX",))  # every read posted whole on the daemon's agent
     peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None, lanes=no_lanes)
     links = Links(ctx, None)
     reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60, lanes=no_lanes,
                   notices=Notices(links, d.recorder, d.nixl.name) if notices else None)
+    world = World(p, d, holds, peers, reads, 0)
+
+    def answer(req: hs.SideRequest) -> hs.SideReply | None:  # (no audits or leases here)
+        if isinstance(req, hs.ProbeRequest):
+            return p.engines.answer_probe(req)
+        if isinstance(req, hs.NoticeRequest):
+            world.notice_versions.append(req.version)
+            holds.take_notices(req)
+            return None
+        if isinstance(req, hs.ServeRequest):
+            world.serve_requests += 1
+            return None
+        assert isinstance(req, hs.HandshakeRequest)
+        reply = holds.answer_handshake(req)
+        return msgspec.structs.replace(reply, notices=reply.notices if peer >= hs.NOTICE_VERSION else 0,
+                                       serve=reply.serve if peer >= hs.SERVE_VERSION else 0)
+    server = hs.HandshakeServer(ctx, "127.0.0.1", 0, answer)
+    task = asyncio.create_task(server.run())
+    world.port = server.port
     try:
-        yield World(p, d, holds, peers, reads, server.port)
+        yield world
     finally:
         task.cancel()
         server.close()
@@ -205,35 +216,66 @@ async def test_read_handshakes_once_then_posts_from_the_cached_route(w: World) -
     assert (peer.engine, peer.plans, peer.active, peer.ranks) == ("prefill", 1, 0, [0])
 
 
-@pytest.mark.parametrize("peer_takes_notices", [True, False])
-def test_a_reads_notification_goes_on_the_side_channel_to_a_peer_that_takes_notices(peer_takes_notices: bool) -> None:
+@pytest.mark.parametrize("peer", [hs.SERVE_VERSION, hs.NOTICE_VERSION, 0])
+def test_a_reads_notification_goes_on_the_side_channel_to_a_peer_that_takes_notices(peer: int) -> None:
     """To a peer daemon that takes notices, the READ carries no NIXL notification (with one, it
     completes only once that daemon progresses: notices.py) and the consumer's notice follows
-    on the side channel; to a daemon from before notices, the READ carries it. Either way the
-    bytes arrive and the hold ends `sent`."""
+    on the side channel, as version 5 to a daemon that serves on request; to a daemon from before
+    notices, the READ carries it. Either way the bytes arrive and the hold ends `sent`. Over CMA
+    a READ on an endpoint wired up already is done once posted: it asks nothing of the peer."""
     async def main() -> None:
-        async with make_world(notices=True, peer_takes_notices=peer_takes_notices) as w:
+        async with make_world(notices=True, peer=peer) as w:
             p_er, d_er = w.prefill.rank, w.decode.rank
             assert p_er is not None and d_er is not None
-            p_seq, d_seq = prompt(w, 1, 40)
+            for seq, rid in ((1, "n1"), (4, "n2")):
+                asked = w.serve_requests  # the first READ's wire-up may ask
+                await asyncio.sleep(0.6)  # past SERVE_S / 2: a request would not be held back
+                p_seq, d_seq = prompt(w, seq, 40)
+                want = expected(w, d_seq)
+                w.holds.hold(p_er, P.Hold("prefill", 0, rid, 30.0, [list(b) for b in p_seq.blocks]))
+                w.reads.start(d_er, read_msg(w, rid, p_seq, d_seq), time.perf_counter())
+                done = await w.completion(d_er)
+                assert (done.status, done.reason) == ("received", "")
+                assert testing.check(w.decode.views, want, w.decode.geometry) == []
+                sent = await w.completion(p_er)
+                assert (sent.request_id, sent.status) == (rid, "sent")
+            assert w.nixl_notifications == (0 if peer >= hs.NOTICE_VERSION else 2)
+            assert w.notice_versions == ([peer, peer] if peer >= hs.NOTICE_VERSION else [])
+            assert w.prefill.recorder.metrics.notifs_received.labels("consumer")._value.get() == 2
+            assert w.serve_requests == asked, "the second READ, over a wired-up endpoint, asked"
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("peer", [hs.SERVE_VERSION, hs.NOTICE_VERSION])
+def test_a_read_running_once_posted_asks_a_peer_that_serves_on_request_for_its_progress(peer: int, monkeypatch) -> None:
+    """Over UCX's TCP transport a READ runs after its post and needs the serving daemon's
+    progress: the decode side asks for it (once, however often it checks within SERVE_S / 2) of
+    a daemon that serves on request, and of no other (such a daemon progresses unasked)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by each NIXL agent's UCX context as it starts
+
+    async def main() -> None:
+        async with make_world(notices=True, peer=peer) as w:
+            p_er, d_er = w.prefill.rank, w.decode.rank
+            assert p_er is not None and d_er is not None
+            p_seq, d_seq = prompt(w, 3, 40)
             want = expected(w, d_seq)
-            w.holds.hold(p_er, P.Hold("prefill", 0, "n1", 30.0, [list(b) for b in p_seq.blocks]))
-            w.reads.start(d_er, read_msg(w, "n1", p_seq, d_seq), time.perf_counter())
+            w.holds.hold(p_er, P.Hold("prefill", 0, "t1", 30.0, [list(b) for b in p_seq.blocks]))
+            w.reads.start(d_er, read_msg(w, "t1", p_seq, d_seq), time.perf_counter())
             done = await w.completion(d_er)
             assert (done.status, done.reason) == ("received", "")
             assert testing.check(w.decode.views, want, w.decode.geometry) == []
-            sent = await w.completion(p_er)
-            assert (sent.request_id, sent.status) == ("n1", "sent")
-            assert w.nixl_notifications == (0 if peer_takes_notices else 1)
-            assert w.prefill.recorder.metrics.notifs_received.labels("consumer")._value.get() == 1
+            await w.completion(p_er)  # the notice came: whatever was sent before it is in
+            asked = 1 if peer == hs.SERVE_VERSION else 0
+            assert w.serve_requests == asked
+            assert w.decode.recorder.metrics.serve_requests.labels("sent")._value.get() == asked
     asyncio.run(main())
 
 
 @in_world
 async def test_a_notice_is_never_answered_not_even_a_malformed_one(w: World) -> None:
     """On a standing link a reply without seq answers the oldest lease claim waiting: a notice
-    request that cannot be read (or of a version this daemon does not speak) gets no reply at
-    all, and the next request on the link gets its own answer. Its notices are counted."""
+    or serve request that cannot be read (or of a version this daemon does not speak) gets no
+    reply at all, and the next request on the link gets its own answer. Its notices are counted."""
     ctx = zmq.asyncio.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -243,7 +285,9 @@ async def test_a_notice_is_never_answered_not_even_a_malformed_one(w: World) -> 
         for body in (msgspec.msgpack.encode({"kind": "notice", "version": 4, "requester": "d", "notices": [1, 2]}),
                      msgspec.msgpack.encode({"kind": "notice", "version": 4, "surprise": True}),
                      hs.encode(hs.NoticeRequest(99, "d", [forged, forged])),
-                     hs.encode(hs.NoticeRequest(hs.NOTICE_VERSION, "never-handshook", [forged]))):
+                     hs.encode(hs.NoticeRequest(hs.NOTICE_VERSION, "never-handshook", [forged])),
+                     msgspec.msgpack.encode({"kind": "serve", "version": 5, "requester": "d", "serve_s": 1e300}),
+                     hs.encode(hs.ServeRequest(99, "d", 1.0))):
             await dealer.send_multipart([b"", body])
         await dealer.send_multipart([b"", hs.encode(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill"))])
         assert await dealer.poll(5000)
@@ -257,12 +301,14 @@ async def test_a_notice_is_never_answered_not_even_a_malformed_one(w: World) -> 
     assert received.labels("unauthorized")._value.get() == 1
 
 
-@pytest.mark.parametrize("peer_takes_notices", [True, False])
-def test_a_full_prefix_hit_notifies_through_nixl(peer_takes_notices: bool) -> None:
+@pytest.mark.parametrize("peer", [hs.SERVE_VERSION, hs.NOTICE_VERSION])
+def test_a_full_prefix_hit_notifies_through_nixl(peer: int) -> None:
     """Nothing is read: the notification goes to the peer's NIXL agent either way, whose refusal
-    would say the daemon instance is gone (a notice goes to whichever daemon has the address)."""
+    would say the daemon instance is gone (a notice goes to whichever daemon has the address).
+    The next READ on that endpoint waits for the notification's progress at the peer: a daemon
+    that serves on request is asked for it."""
     async def main() -> None:
-        async with make_world(notices=True, peer_takes_notices=peer_takes_notices) as w:
+        async with make_world(notices=True, peer=peer) as w:
             p_er, d_er = w.prefill.rank, w.decode.rank
             assert p_er is not None and d_er is not None
             p_seq, d_seq = prompt(w, 2, 32)
@@ -276,6 +322,8 @@ def test_a_full_prefix_hit_notifies_through_nixl(peer_takes_notices: bool) -> No
             sent = await w.completion(p_er)
             assert (sent.request_id, sent.status) == ("hit", "sent")
             assert w.nixl_notifications == 1
+            await asyncio.sleep(0.05)  # the serve request, sent with the notification, is in
+            assert w.serve_requests == (1 if peer == hs.SERVE_VERSION else 0)
     asyncio.run(main())
 
 

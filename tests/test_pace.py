@@ -13,19 +13,19 @@ def pace() -> Pace:
 
 def test_never_active_is_cold_unless_holding():
     p = pace()
-    assert p.idle_wait(100.0, holding=False) == 0.05
-    assert p.idle_wait(100.0, holding=True) == 0.001
+    assert p.idle_wait(100.0, needed=False) == 0.05
+    assert p.idle_wait(100.0, needed=True) == 0.001
 
 
 def test_activity_spins_then_ticks_then_cools():
     p = pace()
     p.active(10.0)
-    assert p.idle_wait(10.001, holding=False) == SPIN
-    assert p.idle_wait(10.5, holding=False) == 0.001
-    assert p.idle_wait(11.5, holding=False) == 0.05
-    assert p.idle_wait(11.5, holding=True) == 0.001
+    assert p.idle_wait(10.001, needed=False) == SPIN
+    assert p.idle_wait(10.5, needed=False) == 0.001
+    assert p.idle_wait(11.5, needed=False) == 0.05
+    assert p.idle_wait(11.5, needed=True) == 0.001
     p.active(11.5)
-    assert p.idle_wait(11.5005, holding=False) == SPIN
+    assert p.idle_wait(11.5005, needed=False) == SPIN
 
 
 def test_a_wake_ends_the_sleep_and_a_timeout_ends_it_without_one():

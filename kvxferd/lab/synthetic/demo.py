@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -205,6 +206,15 @@ class DaemonProcess:
         if address is None:
             raise DemoError(f"daemon {self.name} serves no metrics")
         return address
+
+    def metric(self, sample: str) -> float:
+        """One sample of its Prometheus exposition, named as written there (`name{label="v"}`);
+        0 when absent (a labelled counter appears once counted)."""
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
+            for row in r.read().decode().splitlines():
+                if row.startswith(sample + " "):
+                    return float(row.rsplit(" ", 1)[1])
+        return 0.0
 
     def kill(self) -> None:
         """SIGKILL: no goodbye to peers or engines. The process is gone once every thread has left
