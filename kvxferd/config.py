@@ -76,9 +76,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_deadline_s: float = 600.0
     poll_interval_s: float = 0.001  # longest sleep between polls while reads are in flight
     spin_s: float = 0.002  # poll on every loop turn this close to a read's posting or expected end
-    # No read in flight (see pace.py): spin for spin_s after a hold, a notification or a
-    # handshake answered; then progress NIXL every idle_poll_s while requests are held or for
-    # idle_hot_s after that activity; then every idle_max_s.
+    # No read in flight (see pace.py, serving.py): spin for spin_s after a handshake answered,
+    # a reader's request for progress, or a hold, claim or notification while a reader before
+    # side-channel version 5 reads; then progress NIXL every idle_poll_s while asked to, while
+    # such a reader may read what is held, or for idle_hot_s after that activity; then every
+    # idle_max_s.
     idle_poll_s: float = 0.001
     idle_hot_s: float = 1.0
     idle_max_s: float = 0.05

@@ -229,7 +229,8 @@ class Daemon:
         now = time.monotonic()
         for sender, messages in notifs.items():  # NIXL keeps an entry, often empty, per known agent
             for m in messages:  # the sender's name, as it declared it
-                if self.holds.on_notification(sender, m) and self.readers.heard(sender, now):
+                if self.holds.on_notification(sender, m) and not self.readers.asks(sender):
+                    self.readers.notified(sender, now, asks=False)  # it rode a READ
                     self.pace.active(now)
 
     async def _housekeeping(self) -> None:
@@ -274,13 +275,15 @@ class Daemon:
             case hs.ProbeRequest():
                 return self.engines.answer_probe(req)
             case hs.LeaseRequest():
-                if self.readers.unasked(now):  # a reader that never asks is about to read our memory
-                    self._progress_now(now)
+                if not self.readers.asks(req.requester) or self.readers.unasked(now):
+                    self._progress_now(now)  # a reader that may not ask is about to read our memory
                 return self.holds.answer_lease(req)
             case hs.NoticeRequest():
-                if self.holds.take_notices(req) and self.readers.heard(
-                        req.requester, now, asks=req.version == hs.SERVE_VERSION):
-                    self._progress_now(now)
+                if self.holds.take_notices(req):
+                    asks = req.version == hs.SERVE_VERSION
+                    self.readers.notified(req.requester, now, asks)
+                    if not asks:
+                        self._progress_now(now)
                 return None
             case hs.ServeRequest():
                 if req.version == hs.SERVE_VERSION:

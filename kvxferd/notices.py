@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from . import handshake as hs
 from .logs import Throttle
 from .recorder import Recorder
 from .sidelink import Links
+
+if TYPE_CHECKING:
+    from .peers import Peer
 
 log = logging.getLogger("kvxferd")
 
@@ -48,7 +52,6 @@ class Notices:
     def __init__(self, links: Links, recorder: Recorder, requester: str) -> None:
         self._links, self._recorder, self._requester = links, recorder, requester
         self._queued: dict[tuple[str, int, int], list[hs.Notification]] = {}  # by peer and version
-        self._served = Throttle(SERVE_S / 2)  # serve requests, by peer
         self._flushing = False
         self._closed = False
         self._warned = Throttle(WARN_S)  # notices lost, by peer
@@ -80,17 +83,19 @@ class Notices:
             for i in range(0, len(notifications), hs.MAX_CLAIMS):
                 self._send(host, port, notifications[i:i + hs.MAX_CLAIMS], version)
 
-    def serve(self, host: str, port: int) -> None:
-        """Ask the daemon at host:port for SERVE_S of its progress now (unless asked within
-        SERVE_S / 2): a READ of its memory is running, not done once posted."""
-        if self._closed or not self._served.due((host, port)):
+    def serve(self, peer: Peer, now: float) -> None:
+        """Ask `peer`'s daemon for SERVE_S of its progress now, unless asked within SERVE_S / 2:
+        a READ of its memory is running, not done once posted (called on every check of one)."""
+        if self._closed or now - peer.serve_asked < SERVE_S / 2:
             return
         try:
-            self._links.to(host, port).tell(hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
-            self._recorder.serve_request("sent")
-        except Exception as exc:  # the READ goes on; the peer's own pace decides when it is served
+            self._links.to(peer.host, peer.port).tell(hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
+        except Exception as exc:  # the READ goes on; asked again on a later check
             if not isinstance(exc, hs.HandshakeError):
-                log.error("serve request to %s:%d failed unexpectedly", host, port, exc_info=exc)
+                log.error("serve request to %s failed unexpectedly", peer.address, exc_info=exc)
+            return
+        peer.serve_asked = now
+        self._recorder.serve_request("sent")
 
     def _send(self, host: str, port: int, chunk: list[hs.Notification], version: int) -> None:
         try:

@@ -85,6 +85,7 @@ class Peer:
     epoch: str = ""  # the engine's registration, from the handshake ("": a daemon before epochs)
     notices: int = 0  # the NoticeRequest version its daemon takes (0: none; notices.py)
     serve: int = 0  # the ServeRequest version its daemon takes (0: none; it progresses unasked)
+    serve_asked: float = float("-inf")  # monotonic: we last asked its daemon for progress (notices.py)
     # monotonic: its side channel last answered (handshake, probe), moved on by any time this
     # daemon itself did not run (liveness.py)
     heard: float = 0.0

@@ -215,7 +215,7 @@ class Transfer:
                 if not reads and notices is not None and route.peer.serves_on_request:
                     # the peer's next READ on this endpoint waits for the NIXL notification's
                     # progress there (measured: 31-47 ms at its idle pace): ask for it now
-                    notices.serve(route.peer.host, route.peer.port)
+                    notices.serve(route.peer, time.monotonic())
         except TransferError as exc:
             if not self.running:
                 raise StaleRoute(str(exc)) from exc
@@ -730,7 +730,7 @@ class Reads:
         if not done and peer is not None and peer.serves_on_request and self._notices is not None:
             # Running once posted (not CMA's copy inside the post): it may need the peer's
             # progress (UCX over TCP, a new endpoint's wire-up), which that daemon gives when asked
-            self._notices.serve(peer.host, peer.port)
+            self._notices.serve(peer, now)
         if done:
             took = t.transfer_seconds(self._recorder)
             if t.nbytes >= 1 << 20 and took > 0:

@@ -13,15 +13,20 @@ the copy runs inside the reader's post call (docs/benchmarks.md).
         heard ──► for LEGACY_S: the old pace (progress while holding, spin after each hold,
                   claim and notification), which its READs count on
 
-A handshake always starts a short spell of progress (pace.py): the first READ on a new endpoint
-wires it up, whichever version reads.
+    a handshake, or a claim from a reader not known to ask ──► a short spell of progress (pace.py):
+        the READ that follows may wire up a new endpoint, or come from a reader before version 5
+
+A reader is known to ask once an authorized version 5 notice of its came (its first read's).
+Names are what peers declare: anyone who can reach the side channel and knows a reader's agent
+name (any daemon's handshake reply gives its own) can speak for it, as for notifications; a
+version 4 notice under that name puts it back.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-LEGACY_S = 60.0  # a reader that never asks was heard this recently: keep progressing for it
+LEGACY_S = 600.0  # a reader that does not ask was heard this recently: keep progressing for it
 MAX_READERS = 4096  # agents remembered as asking (the oldest forgotten: then taken for legacy)
 
 
@@ -33,28 +38,32 @@ class Readers:
         self._legacy_heard = float("-inf")
         self._serve_until = float("-inf")
 
-    def heard(self, agent: str, now: float, asks: bool = False) -> bool:
-        """An authorized notification from `agent` (in a notice, `asks` when its version says the
-        reader asks for progress; or on a READ). True when it comes from a reader that never asks."""
+    def asks(self, agent: str) -> bool:
+        """`agent` is known to ask for progress when its READs need it."""
+        return agent in self._asking
+
+    def notified(self, agent: str, now: float, asks: bool) -> None:
+        """An authorized notification from `agent`: in a notice, `asks` as its version says (5);
+        on a READ or in a notice of version 4, not (which overrides an earlier word: names are
+        declared, not proven). Not for a NIXL notification from an agent known to ask: a reader
+        that asks notifies a full hit through NIXL."""
         if asks:
             self._asking[agent] = None
             self._asking.move_to_end(agent)
             if len(self._asking) > MAX_READERS:
                 self._asking.popitem(last=False)
-            return False
-        if agent in self._asking:  # its notification of a read nothing was posted for (a full hit)
-            return False
+            return
+        self._asking.pop(agent, None)
         self._legacy_heard = now
-        return True
 
     def serve(self, seconds: float, now: float) -> None:
         """A reader asked for progress for `seconds` (at most hs.MAX_SERVE_S, checked on decoding).
-        Anyone may ask: the cost is this daemon's progress for 10 s, as a claim or handshake
-        costs; whether a reader is taken for one that asks is learnt from its authorized notices."""
+        Anyone may ask: it costs this daemon 10 s of progress at most, as a stream of claims or
+        handshakes would; whether a reader asks is learnt from its authorized notices only."""
         self._serve_until = max(self._serve_until, now + seconds)
 
     def unasked(self, now: float) -> bool:
-        """A reader that never asks was heard within LEGACY_S: progress as if every hold were read."""
+        """A reader that does not ask was heard within LEGACY_S: progress as if every hold were read."""
         return now - self._legacy_heard < LEGACY_S
 
     def serving(self, now: float) -> bool:

@@ -158,6 +158,13 @@ async def make_world(notices: bool = False, peer: int = hs.SERVE_VERSION) -> Asy
         ctx.term()
 
 
+async def wait_until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        await asyncio.sleep(0.01)
+
+
 def in_world(scenario: Callable[[World], Awaitable[None]]) -> Callable[[], None]:
     """A test: the scenario runs on a fresh world on its own event loop."""
     def test() -> None:
@@ -249,8 +256,8 @@ def test_a_reads_notification_goes_on_the_side_channel_to_a_peer_that_takes_noti
 @pytest.mark.parametrize("peer", [hs.SERVE_VERSION, hs.NOTICE_VERSION])
 def test_a_read_running_once_posted_asks_a_peer_that_serves_on_request_for_its_progress(peer: int, monkeypatch) -> None:
     """Over UCX's TCP transport a READ runs after its post and needs the serving daemon's
-    progress: the decode side asks for it (once, however often it checks within SERVE_S / 2) of
-    a daemon that serves on request, and of no other (such a daemon progresses unasked)."""
+    progress: the decode side asks for it (at most every SERVE_S / 2, however often it checks)
+    of a daemon that serves on request, and of no other (such a daemon progresses unasked)."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read by each NIXL agent's UCX context as it starts
 
     async def main() -> None:
@@ -265,9 +272,11 @@ def test_a_read_running_once_posted_asks_a_peer_that_serves_on_request_for_its_p
             assert (done.status, done.reason) == ("received", "")
             assert testing.check(w.decode.views, want, w.decode.geometry) == []
             await w.completion(p_er)  # the notice came: whatever was sent before it is in
-            asked = 1 if peer == hs.SERVE_VERSION else 0
-            assert w.serve_requests == asked
-            assert w.decode.recorder.metrics.serve_requests.labels("sent")._value.get() == asked
+            sent = w.decode.recorder.metrics.serve_requests.labels("sent")._value.get()
+            if peer == hs.SERVE_VERSION:  # once, or again SERVE_S / 2 later on a slow host
+                assert sent >= 1 and w.serve_requests == sent, (sent, w.serve_requests)
+            else:
+                assert sent == w.serve_requests == 0
     asyncio.run(main())
 
 
@@ -322,8 +331,11 @@ def test_a_full_prefix_hit_notifies_through_nixl(peer: int) -> None:
             sent = await w.completion(p_er)
             assert (sent.request_id, sent.status) == ("hit", "sent")
             assert w.nixl_notifications == 1
-            await asyncio.sleep(0.05)  # the serve request, sent with the notification, is in
-            assert w.serve_requests == (1 if peer == hs.SERVE_VERSION else 0)
+            if peer == hs.SERVE_VERSION:  # the serve request, sent with the notification
+                await wait_until(lambda: w.serve_requests >= 1, "a serve request")
+            else:
+                await asyncio.sleep(0.2)  # time for one that should not come
+                assert w.serve_requests == 0
     asyncio.run(main())
 
 
