@@ -80,6 +80,7 @@ class Daemon:
         self._wake = Wake()  # a READ was posted or a hold arrived: progress NIXL now
         self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
         self.readers = Readers()  # whether peers reading our memory need our progress (serving.py)
+        self.recorder.serving_unasked(lambda: self.readers.unasked(time.monotonic()))
         self.metrics_port = 0
 
     # --- lifecycle ------------------------------------------------------------

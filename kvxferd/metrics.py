@@ -74,6 +74,8 @@ class Metrics:
         self.notifs_sent = Counter("kvxferd_notifications_sent", "Notifications sent to peers", registry=r)
         self.notifs_lost = Counter("kvxferd_notifications_lost", "Notifications that could not be sent on the "
                                    "side channel (their holds end with their leases)", registry=r)
+        self.serving_unasked = Gauge("kvxferd_serving_unasked", "1 while this daemon progresses NIXL unasked for "
+                                     "a reader from before side-channel version 5", registry=r)
         self.serve_requests = Counter("kvxferd_serve_requests", "Requests for a peer daemon's NIXL progress "
                                       "while a READ of its memory runs, by way (sent, received)", ["way"], registry=r)
         self.notifs_received = Counter("kvxferd_notifications_received", "Notifications received, by kind",

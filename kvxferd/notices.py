@@ -27,6 +27,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import zmq
+
 from . import handshake as hs
 from .logs import Throttle
 from .recorder import Recorder
@@ -84,17 +86,18 @@ class Notices:
                 self._send(host, port, notifications[i:i + hs.MAX_CLAIMS], version)
 
     def serve(self, peer: Peer, now: float) -> None:
-        """Ask `peer`'s daemon for SERVE_S of its progress now, unless asked within SERVE_S / 2:
-        a READ of its memory is running, not done once posted (called on every check of one)."""
+        """Ask `peer`'s daemon for SERVE_S of its progress now, unless asked (or tried: a peer
+        whose queue is full must not cost every check a failed send) within SERVE_S / 2: a READ
+        of its memory is running, not done once posted (called on every check of one)."""
         if self._closed or now - peer.serve_asked < SERVE_S / 2:
             return
+        peer.serve_asked = now
         try:
             self._links.to(peer.host, peer.port).tell(hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
-        except Exception as exc:  # the READ goes on; asked again on a later check
-            if not isinstance(exc, hs.HandshakeError):
-                log.error("serve request to %s failed unexpectedly", peer.address, exc_info=exc)
+        except (hs.HandshakeError, zmq.ZMQError, OSError) as exc:  # the READ goes on; the peer's pace serves it
+            if self._warned.due(("serve", peer.host, peer.port)):
+                log.warning("serve request to %s not sent: %s", peer.address, exc)
             return
-        peer.serve_asked = now
         self._recorder.serve_request("sent")
 
     def _send(self, host: str, port: int, chunk: list[hs.Notification], version: int) -> None:

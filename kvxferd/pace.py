@@ -8,9 +8,9 @@ tick); over UCX's TCP transport alone, any READ does. READs from daemons that se
 should not either, not measured here). Which of our readers need our progress, and when, is
 serving.py's to say; the pace follows it:
 
-    activity (a handshake, a serve request; a hold, claim   ─┬─ spin_s: yield to the loop every turn
-    or notification while a reader that never asks reads)    ├─ hot_s, or while `needed`:
-                                                             │      every idle_poll_s (timer resolution 1 ms)
+    activity (a handshake, a serve request, a claim from     ─┬─ spin_s: yield to the loop every turn
+    a reader not known to ask; a hold, claim or notification ├─ hot_s, or while `needed`:
+    while a reader before side-channel version 5 reads)      │      every idle_poll_s (timer resolution 1 ms)
                                                              └─ then: every idle_max_s
 """
 

@@ -10,6 +10,7 @@ import errno
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import numpy as np
@@ -206,6 +207,10 @@ class Recorder:
 
     def serve_request(self, way: Literal["sent", "received"]) -> None:
         self.metrics.serve_requests.labels(way).inc()
+
+    def serving_unasked(self, unasked: Callable[[], bool]) -> None:
+        """Where `kvxferd_serving_unasked` is read from, on each scrape."""
+        self.metrics.serving_unasked.set_function(lambda: float(unasked()))
 
     def notification_received(self, kind: NotificationKind) -> None:
         if kind in ("unknown", "malformed"):

@@ -19,7 +19,8 @@ the copy runs inside the reader's post call (docs/benchmarks.md).
 A reader is known to ask once an authorized version 5 notice of its came (its first read's).
 Names are what peers declare: anyone who can reach the side channel and knows a reader's agent
 name (any daemon's handshake reply gives its own) can speak for it, as for notifications; a
-version 4 notice under that name puts it back.
+version 4 notice under that name puts it back (a reader from before notices sends none:
+docs/protocol.md).
 """
 
 from __future__ import annotations

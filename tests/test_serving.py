@@ -3,10 +3,14 @@ readers that ask, and unasked only while a reader from before that version reads
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
+from kvxferd import handshake as hs
 from kvxferd.lab.synthetic.demo import Cluster
 from kvxferd.plan.models import ModelShape
 from kvxferd.serving import LEGACY_S, MAX_READERS, Readers
@@ -70,3 +74,49 @@ def test_an_idle_prefill_daemon_progresses_for_a_read_that_asks_and_only_then(tr
             assert sent >= 1 and 1 <= received <= sent, (sent, received)
         else:
             assert sent == received == 0, (sent, received)
+
+
+def _side_channel(c: Cluster, *requests: hs.SideRequest) -> hs.HandshakeReply:
+    """As a reader would: handshake for the prefill engine (its first request), then the rest on
+    a link of its own, unanswered."""
+    async def talk() -> hs.HandshakeReply:
+        ctx = zmq.asyncio.Context()
+        link = ctx.socket(zmq.DEALER)
+        link.setsockopt(zmq.LINGER, 1000)
+        try:
+            first = requests[0]
+            assert isinstance(first, hs.HandshakeRequest)
+            reply = await hs.request(ctx, c.host, c.port, first.engine_id, 10.0, first.requester)
+            link.connect(f"tcp://{c.host}:{c.port}")
+            for req in requests[1:]:
+                await link.send_multipart([b"", hs.encode(req)])
+            return reply
+        finally:
+            link.close()
+            ctx.term()
+    return asyncio.run(talk())
+
+
+def _unasked(c: Cluster) -> float:
+    return c.daemons[0].metric("kvxferd_serving_unasked")
+
+
+def test_a_reader_before_version_5_turns_on_the_old_pace_and_one_that_asks_does_not():
+    """Real daemons. The decode daemon's reads (version 5 notices) leave the prefill daemon
+    progressing for no one. A reader that handshook and sends a version 4 notice, as a daemon
+    before version 5 does, turns on the old pace (`kvxferd_serving_unasked`); notices from a
+    stranger (no handshake) do not."""
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)
+        assert _unasked(c) == 0
+        done = hs.Notification("prefill", 0, "not-held", 1)  # early: counted, kept for its hold
+        _side_channel(c, hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "a-stranger"),
+                      hs.NoticeRequest(hs.NOTICE_VERSION, "never-handshook", [done]))
+        time.sleep(0.5)  # the notice is in (or never counted)
+        assert _unasked(c) == 0
+        _side_channel(c, hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "a-reader-before-5"),
+                      hs.NoticeRequest(hs.NOTICE_VERSION, "a-reader-before-5", [done]))
+        deadline = time.monotonic() + 10
+        while _unasked(c) != 1:
+            assert time.monotonic() < deadline, "a version 4 notice did not turn on the old pace"
+            time.sleep(0.05)
