@@ -213,8 +213,7 @@ class Daemon:
                 await self._wake.sleep(wait)  # a lane's slice posted (or a new READ) wakes it sooner
                 continue
             now = time.monotonic()
-            wait = self.pace.idle_wait(now, self.readers.serving(now)
-                                       or (bool(self.holds.held) and self.readers.unasked(now)))
+            wait = self.pace.idle_wait(now, self.readers.need_progress(now, bool(self.holds.held)))
             if wait == SPIN:
                 os.sched_yield()
                 await asyncio.sleep(0)

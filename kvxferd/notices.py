@@ -58,14 +58,16 @@ class Notices:
         self._closed = False
         self._warned = Throttle(WARN_S)  # notices lost, by peer
 
-    def tell(self, host: str, port: int, notifications: list[hs.Notification], version: int) -> None:
-        """Send these to the daemon at host:port within BATCH_S, as a NoticeRequest of `version`."""
+    def tell(self, peer: Peer, notifications: list[hs.Notification]) -> None:
+        """Send these to `peer`'s daemon within BATCH_S, as a NoticeRequest of the version that
+        says whether we ask for its progress (5, to a daemon that serves on request)."""
         if not notifications:
             return
         if self._closed:  # the daemon is stopping: its links are gone
-            self._lost(host, port, len(notifications), "the daemon is stopping")
+            self._lost(peer.host, peer.port, len(notifications), "the daemon is stopping")
             return
-        self._queued.setdefault((host, port, version), []).extend(notifications)
+        version = hs.SERVE_VERSION if peer.serves_on_request else hs.NOTICE_VERSION
+        self._queued.setdefault((peer.host, peer.port, version), []).extend(notifications)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_later(BATCH_S, self._flush)
@@ -86,10 +88,11 @@ class Notices:
                 self._send(host, port, notifications[i:i + hs.MAX_CLAIMS], version)
 
     def serve(self, peer: Peer, now: float) -> None:
-        """Ask `peer`'s daemon for SERVE_S of its progress now, unless asked (or tried: a peer
-        whose queue is full must not cost every check a failed send) within SERVE_S / 2: a READ
-        of its memory is running, not done once posted (called on every check of one)."""
-        if self._closed or now - peer.serve_asked < SERVE_S / 2:
+        """A READ of `peer`'s memory may need its daemon's progress (it is running, not done once
+        posted; called on every check of one): ask for SERVE_S of it, if that daemon serves on
+        request (one that does not progresses unasked) and was not asked (or tried: a peer whose
+        queue is full must not cost every check a failed send) within SERVE_S / 2."""
+        if self._closed or not peer.serves_on_request or now - peer.serve_asked < SERVE_S / 2:
             return
         peer.serve_asked = now
         try:

@@ -212,7 +212,7 @@ class Transfer:
                 # refusal says that daemon instance is gone (StaleRoute: a fresh handshake, as a
                 # READ's refusal would). A notice goes to whichever daemon has the address now.
                 self._notify(unread, nixl, notices if reads else None)
-                if not reads and notices is not None and route.peer.serves_on_request:
+                if not reads and notices is not None:
                     # the peer's next READ on this endpoint waits for the NIXL notification's
                     # progress there (measured: 31-47 ms at its idle pace): ask for it now
                     notices.serve(route.peer, time.monotonic())
@@ -275,8 +275,7 @@ class Transfer:
         assert route is not None
         side = self.side_channel(notices)
         if side is not None:
-            side.tell(route.peer.host, route.peer.port, notifications,
-                      hs.SERVE_VERSION if route.peer.serves_on_request else hs.NOTICE_VERSION)
+            side.tell(route.peer, notifications)
             return
         for notif in notifications:
             nixl.notify(route.agent, _encode(notif))
@@ -726,11 +725,10 @@ class Reads:
                 self._peers.retire(t.route.peer, str(exc))
             self._fail(t, "transfer", str(exc))
             return
-        peer = t.route.peer if t.route is not None else None
-        if not done and peer is not None and peer.serves_on_request and self._notices is not None:
+        if not done and t.route is not None and self._notices is not None:
             # Running once posted (not CMA's copy inside the post): it may need the peer's
             # progress (UCX over TCP, a new endpoint's wire-up), which that daemon gives when asked
-            self._notices.serve(peer, now)
+            self._notices.serve(t.route.peer, now)
         if done:
             took = t.transfer_seconds(self._recorder)
             if t.nbytes >= 1 << 20 and took > 0:

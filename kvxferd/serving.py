@@ -70,3 +70,8 @@ class Readers:
     def serving(self, now: float) -> bool:
         """A reader asked for progress until after `now`."""
         return now < self._serve_until
+
+    def need_progress(self, now: float, holding: bool) -> bool:
+        """Readers need this daemon's NIXL progress now: one asked for it, or one that does not
+        ask may read what it holds."""
+        return self.serving(now) or (holding and self.unasked(now))

@@ -17,7 +17,6 @@ import asyncio
 import mmap
 import socket
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -65,11 +64,7 @@ def handshake(c: Cluster, engine_id: str, requester: str) -> hs.HandshakeReply:
 
 def metric(c: Cluster, which: int, line: str) -> float:
     """A sample of a daemon's Prometheus exposition (0 when absent)."""
-    with urllib.request.urlopen(f"http://{c.status(which).metrics}/metrics", timeout=10) as r:
-        for row in r.read().decode().splitlines():
-            if row.startswith(line + " "):
-                return float(row.split()[-1])
-    return 0.0
+    return c.daemons[which].metric(line)
 
 
 class Probe:
