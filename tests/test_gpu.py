@@ -32,7 +32,7 @@ def test_vram_transfer_byte_exact(model, p_tp, d_tp):
             assert out["status"] == "received", out
             assert out["released"] == ["sent"] * p_tp
         engines = cluster.status(1).engines
-        assert {e["memory"] for e in engines} == {"VRAM"}
+        assert {e.memory for e in engines} == {"VRAM"}
         assert cluster.decode.verify_all() == []
 
 
@@ -60,6 +60,61 @@ def test_vram_in_vllms_gpu_layouts_byte_exact(layout, model, p_tp, d_tp):
             out = cluster.transfer(seq, num_tokens=40 + 37 * seq, hit_tokens=16 if seq == 1 else 0)
             assert out["status"] == "received", out
         assert cluster.decode.verify_all() == []
+
+
+READ_VMM = """
+import hashlib, os, sys
+import numpy as np
+from kvxferd.memory import _check, _cu, map_cuda_vmm
+fd, nbytes, used = (int(a) for a in sys.argv[1:])
+m = map_cuda_vmm(fd, nbytes, 0)
+out = np.empty(used, dtype=np.uint8)
+_check(_cu().cuMemcpyDtoH(out, m.address, used), "cuMemcpyDtoH")
+print(hashlib.sha256(out).hexdigest())
+"""
+
+
+def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps():
+    """The vLLM connector's GPU memory path (`shared_kv.share`) without vLLM: layer caches that
+    view one CUDA buffer, as vLLM's GPU allocator makes them, in a size that is no multiple of
+    the VMM granularity, are re-pointed at a shareable VMM allocation with their bytes; a
+    write through a re-pointed view lands there; another process importing the exported fd,
+    as the daemon does, reads the same bytes."""
+    import hashlib
+    import subprocess
+    import sys
+
+    import torch
+
+    from kvxferd.vllm.shared_kv import share
+
+    layers, blocks = 3, 43
+    per_layer = 2 * blocks * 16 * 2 * 64 * 2  # K and V, blocks of 16 tokens, 2 heads of 64, bf16
+    backing = torch.randint(0, 256, (layers * per_layer,), dtype=torch.uint8, device="cuda")
+    caches = {f"model.layers.{i}.self_attn.attn": backing[i * per_layer:(i + 1) * per_layer]
+              .view(torch.bfloat16).view(2, blocks, 16, 2, 64) for i in range(layers)}
+    bound = backing.view(torch.bfloat16)  # another live view, as an attention layer's bound cache
+    before = backing.cpu().clone()
+    del backing
+
+    buffers, where = share(caches, also=[bound])
+
+    assert len(buffers) == 1
+    buf = buffers[0]
+    assert buf.kind == "cuda_vmm" and buf.nbytes > layers * per_layer  # rounded up to the granularity
+    assert {t.untyped_storage().data_ptr() for t in [*caches.values(), bound]} == {buf.address}
+    assert where == {name: (0, i * per_layer) for i, name in enumerate(caches)}
+    assert torch.equal(bound.view(torch.uint8).cpu(), before)
+    caches["model.layers.1.self_attn.attn"][1, 7].fill_(1.5)  # a write through a re-pointed view
+    torch.cuda.synchronize()
+    expected = bound.view(torch.uint8).cpu().numpy()
+    assert not (expected == before.numpy()).all()
+    used = layers * per_layer
+    seen = subprocess.run([sys.executable, "-c", READ_VMM, str(buf.fd), str(buf.nbytes), str(used)],
+                          pass_fds=[buf.fd], capture_output=True, text=True, timeout=120)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.strip() == hashlib.sha256(expected.tobytes()).hexdigest()
+    buf.close()
 
 
 @pytest.mark.parametrize("family,block", [("dense", 16), ("mla", 64)])

@@ -64,7 +64,8 @@ def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[Sha
         buf = _allocate(st.nbytes(), st.device)
         new_storage = buf.keep[-1]
         old = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-        torch.empty(0, dtype=torch.uint8, device=st.device).set_(new_storage).copy_(old)
+        # A VMM allocation is rounded up to the device's granularity: copy into its first bytes.
+        torch.empty(0, dtype=torch.uint8, device=st.device).set_(new_storage, 0, (st.nbytes(),)).copy_(old)
         del old
         for t in views[ptr]:
             t.set_(new_storage, t.storage_offset(), t.size(), t.stride())
