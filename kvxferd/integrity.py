@@ -153,14 +153,23 @@ def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
     which, offset = _locate(mappings, rows)
     aligned = (offset % 8 == 0) & (rows[:, 1] % 8 == 0)
     for i in np.flatnonzero(~aligned):  # rare: rows of odd lengths or offsets, one at a time
-        m = mappings[which[i]]
-        data = (ctypes.c_uint8 * int(rows[i, 1])).from_address(m.address + int(offset[i]))
-        out[i] = digest_bytes(bytes(data))
+        out[i] = digest_bytes(_row_bytes(mappings[which[i]], int(offset[i]), int(rows[i, 1])))
     for mi, m in enumerate(mappings):
         for length in np.unique(rows[aligned & (which == mi), 1]):
             sel = np.flatnonzero(aligned & (which == mi) & (rows[:, 1] == length))
             out[sel] = _digest_uniform(m, offset[sel] // 8, int(length) // 8)
     return out
+
+
+def _row_bytes(m: Mapping, offset: int, nbytes: int) -> bytes:
+    """One row's bytes, copied to the host: device memory is never read through a host pointer
+    (a row of a VRAM mapping dereferenced so would fault the daemon)."""
+    if m.kind == "VRAM":
+        import torch
+
+        mem = torch.as_tensor(_CudaBytes(m.address, m.nbytes, "|u1"), device=f"cuda:{m.device}")
+        return bytes(mem[offset:offset + nbytes].cpu().numpy())
+    return bytes((ctypes.c_uint8 * nbytes).from_address(m.address + offset))
 
 
 def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarray:
@@ -187,8 +196,9 @@ def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarra
 class _CudaBytes:
     """A device pointer as a CUDA array torch can wrap without a copy."""
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes // 8,), "typestr": "<i8", "data": (address, False),
+    def __init__(self, address: int, nbytes: int, typestr: str = "<i8") -> None:
+        size = int(typestr[2:])
+        self.__cuda_array_interface__ = {"shape": (nbytes // size,), "typestr": typestr, "data": (address, False),
                                          "version": 3}
 
 

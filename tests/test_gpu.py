@@ -62,6 +62,40 @@ def test_vram_in_vllms_gpu_layouts_byte_exact(layout, model, p_tp, d_tp):
         assert cluster.decode.verify_all() == []
 
 
+def test_digests_of_device_memory_are_the_digests_of_its_bytes():
+    """Audits digest VRAM where it lies (torch on the device) and rows not in whole words from a
+    copy (never through a host pointer): both give the bits numpy gives for the same bytes."""
+    import numpy as np
+
+    from kvxferd import integrity
+    from kvxferd.memory import Mapping, VmmBuffer
+
+    vmm = VmmBuffer(1 << 21)
+    data = np.random.default_rng(5).integers(0, 256, vmm.nbytes, dtype=np.uint8)
+    vmm.write(data)
+    device = Mapping("VRAM", vmm.address, vmm.nbytes, 0, vmm)
+    host = Mapping("DRAM", data.ctypes.data, data.nbytes, 0, data)
+    spans = [(0, 256), (4096, 4096), (8, 64), (3, 13), (1001, 1), (vmm.nbytes - 24, 24), (64, 1 << 20)]
+
+    def rows(m):
+        return np.array([(m.address + off, n) for off, n in spans], dtype=np.int64)
+
+    got = integrity.digest_rows([device], rows(device))
+    assert (got == integrity.digest_rows([host], rows(host))).all()
+    assert len(set(got.tolist())) == len(spans)
+    device.close()
+
+
+def test_audited_vram_reads_are_checked_against_the_prefills_device_digests():
+    shape = replace(PRESETS["dense"], num_blocks=64)
+    with Cluster(shape, 2, 4, device="cuda-vmm", metrics=True, daemon_args=["--integrity-audit"]) as cluster:
+        for seq in range(3):
+            out = cluster.transfer(seq, num_tokens=40 + 37 * seq, hit_tokens=16 if seq == 1 else 0)
+            assert out["status"] == "received", out
+        assert cluster.decode.verify_all() == []
+        assert cluster.daemons[1].metric('kvxferd_audits_total{outcome="ok"}') >= 3
+
+
 READ_VMM = """
 import hashlib, os, sys
 import numpy as np
