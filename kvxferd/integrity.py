@@ -152,8 +152,11 @@ def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
         return out
     which, offset = _locate(mappings, rows)
     aligned = (offset % 8 == 0) & (rows[:, 1] % 8 == 0)
-    for i in np.flatnonzero(~aligned):  # rare: rows of odd lengths or offsets, one at a time
-        out[i] = digest_bytes(_row_bytes(mappings[which[i]], int(offset[i]), int(rows[i, 1])))
+    odd = ~aligned & (rows[:, 1] > 0)  # rare: rows of odd lengths or offsets (an empty row's digest is 0)
+    for mi, m in enumerate(mappings):
+        sel = np.flatnonzero(odd & (which == mi))
+        if len(sel):
+            out[sel] = _odd_row_digests(m, offset[sel], rows[sel, 1])
     for mi, m in enumerate(mappings):
         for length in np.unique(rows[aligned & (which == mi), 1]):
             sel = np.flatnonzero(aligned & (which == mi) & (rows[:, 1] == length))
@@ -161,15 +164,23 @@ def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _row_bytes(m: Mapping, offset: int, nbytes: int) -> bytes:
-    """One row's bytes, copied to the host: device memory is never read through a host pointer
-    (a row of a VRAM mapping dereferenced so would fault the daemon)."""
+def _odd_row_digests(m: Mapping, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Digests of rows not in whole words, one at a time by the definition. Device memory is
+    copied off the device row by row, through one view of the mapping: never read through a host
+    pointer (a VRAM row dereferenced so would fault the daemon)."""
+    read: Callable[[int, int], bytes]
     if m.kind == "VRAM":
         import torch
 
         mem = torch.as_tensor(_CudaBytes(m.address, m.nbytes, "|u1"), device=f"cuda:{m.device}")
-        return bytes(mem[offset:offset + nbytes].cpu().numpy())
-    return bytes((ctypes.c_uint8 * nbytes).from_address(m.address + offset))
+
+        def read(offset: int, nbytes: int) -> bytes:
+            return mem[offset:offset + nbytes].cpu().numpy().tobytes()
+    else:
+        def read(offset: int, nbytes: int) -> bytes:
+            return ctypes.string_at(m.address + offset, nbytes)
+    return np.array([digest_bytes(read(o, n)) for o, n in zip(offsets.tolist(), lengths.tolist())],
+                    dtype=np.uint64)
 
 
 def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarray:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import functools
-import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -24,7 +22,6 @@ if TYPE_CHECKING:
     import numpy as np
 
 MemType = Literal["DRAM", "VRAM"]  # NIXL's names
-log = logging.getLogger("kvxferd.memory")
 
 
 class MappingError(RuntimeError):
@@ -171,41 +168,14 @@ def _context(device: int) -> None:
     _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def _prop(device: int, fabric: bool = False) -> Any:  # a CUmemAllocationProp
+def _prop(device: int) -> Any:  # a CUmemAllocationProp
     cu = _cu()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device
-    types = cu.CUmemAllocationHandleType
-    prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | (
-        types.CU_MEM_HANDLE_TYPE_FABRIC if fabric else 0)
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     return prop
-
-
-@functools.cache
-def fabric_handles(device: int = 0) -> bool:
-    """Whether VMM allocations on `device` can also be exported as fabric handles. UCX's
-    cuda_ipc lane carries READs of VMM memory only when it can export it so (UCX builds
-    without the POSIX fd arm): without it, GPU-to-GPU READs are staged through host memory.
-    Tried once per device with a real allocation: fabric needs driver support and, in a VM or
-    container, access to an IMEX channel."""
-    cu = _cu()
-    _context(device)
-    dev = _check(cu.cuDeviceGet(device), "cuDeviceGet")
-    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
-    if not _check(cu.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"):
-        return False
-    prop = _prop(device, fabric=True)
-    gran = _check(cu.cuMemGetAllocationGranularity(
-        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
-    err, handle = cu.cuMemCreate(gran, prop, 0)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        log.info("GPU %d offers fabric handles but an allocation with one was refused (%s): "
-                 "VMM memory is shared by POSIX fd alone", device, getattr(err, "name", err))
-        return False
-    cu.cuMemRelease(handle)
-    return True
 
 
 def _map(handle: Any, nbytes: int, device: int) -> int:
@@ -228,18 +198,12 @@ def _map(handle: Any, nbytes: int, device: int) -> int:
     return int(ptr)
 
 
-def _engine_prop(device: int) -> Any:
-    """How engines' KV memory is allocated: shareable by POSIX fd, and by fabric handle too
-    where the device allows it (`fabric_handles`)."""
-    return _prop(device, fabric_handles(device))
-
-
 def vmm_size(nbytes: int, device: int = 0) -> int:
     """`nbytes` rounded up to the allocation granularity (VMM sizes must be multiples of it)."""
     cu = _cu()
     _context(device)
     gran = _check(cu.cuMemGetAllocationGranularity(
-        _engine_prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
+        _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
     return -(-nbytes // int(gran)) * int(gran)
 
 
@@ -249,7 +213,7 @@ class VmmBuffer:
     def __init__(self, nbytes: int, device: int = 0) -> None:
         cu = _cu()
         self.nbytes, self.device = vmm_size(nbytes, device), device
-        self.handle = _check(cu.cuMemCreate(self.nbytes, _engine_prop(device), 0), "cuMemCreate")
+        self.handle = _check(cu.cuMemCreate(self.nbytes, _prop(device), 0), "cuMemCreate")
         try:
             self.address = _map(self.handle, self.nbytes, device)
         except BaseException:

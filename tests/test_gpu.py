@@ -111,9 +111,9 @@ print(hashlib.sha256(out).hexdigest())
 def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps():
     """The vLLM connector's GPU memory path (`shared_kv.share`) without vLLM: layer caches that
     view one CUDA buffer, as vLLM's GPU allocator makes them, in a size that is no multiple of
-    the VMM granularity, are re-pointed at a shareable VMM allocation with their bytes; a
-    write through a re-pointed view lands there; another process importing the exported fd,
-    as the daemon does, reads the same bytes."""
+    the VMM granularity, are re-pointed at a shareable VMM allocation with their bytes, their
+    private buffer given back to the driver first; a write through a re-pointed view lands
+    there; another process importing the exported fd, as the daemon does, reads the same bytes."""
     import hashlib
     import subprocess
     import sys
@@ -129,7 +129,9 @@ def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps():
               .view(torch.bfloat16).view(2, blocks, 16, 2, 64) for i in range(layers)}
     bound = backing.view(torch.bfloat16)  # another live view, as an attention layer's bound cache
     before = backing.cpu().clone()
+    private = backing.untyped_storage()
     del backing
+    free_before = torch.cuda.mem_get_info()[0]
 
     buffers, where = share(caches, also=[bound])
 
@@ -139,6 +141,8 @@ def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps():
     assert {t.untyped_storage().data_ptr() for t in [*caches.values(), bound]} == {buf.address}
     assert where == {name: (0, i * per_layer) for i, name in enumerate(caches)}
     assert torch.equal(bound.view(torch.uint8).cpu(), before)
+    assert private.nbytes() == 0  # given back, to the driver too: the device has no second copy
+    assert torch.cuda.mem_get_info()[0] >= free_before - buf.nbytes // 2  # the VMM buffer took the old one's place
     caches["model.layers.1.self_attn.attn"][1, 7].fill_(1.5)  # a write through a re-pointed view
     torch.cuda.synchronize()
     expected = bound.view(torch.uint8).cpu().numpy()

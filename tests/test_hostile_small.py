@@ -271,11 +271,8 @@ class FakeDriver:
     driver calls are recorded (what is held: imported/created handles, address reservations,
     mappings) and the one named in `fail_at` returns an error, as the real driver would."""
 
-    def __init__(self, fail_at: str = "", fabric: str = "absent") -> None:
-        """`fabric`: the device's fabric handles: "absent", "refused" (offered, but an allocation
-        asking for one is not permitted, as without an IMEX channel) or "granted"."""
-        self.fail_at, self.calls, self.fabric = fail_at, [], fabric
-        self.requested: list[int] = []  # each cuMemCreate's handle types
+    def __init__(self, fail_at: str = "") -> None:
+        self.fail_at, self.calls = fail_at, []
         self.handles: set[int] = set()
         self.reserved: set[int] = set()
         self.mapped: set[int] = set()
@@ -285,9 +282,7 @@ class FakeDriver:
         self._err = err
         self.CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
         self.CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
-        self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1,
-                                                         CU_MEM_HANDLE_TYPE_FABRIC=8)
-        self.CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED=128)
+        self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
         self.CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
         self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
 
@@ -331,14 +326,7 @@ class FakeDriver:
             self.handles.add(result[1])
         return result
 
-    def cuDeviceGetAttribute(self, attr, dev):
-        return self._step("cuDeviceGetAttribute", int(self.fabric != "absent"))
-
     def cuMemCreate(self, size, prop, flags):
-        self.requested.append(prop.requestedHandleTypes)
-        if prop.requestedHandleTypes & 8 and self.fabric != "granted":
-            self.calls.append("cuMemCreate")
-            return (SimpleNamespace(name="CUDA_ERROR_NOT_PERMITTED"), None)
         result = self._step("cuMemCreate", self._new())
         if len(result) == 2:
             self.handles.add(result[1])
@@ -406,28 +394,6 @@ def test_map_cuda_vmm_success_then_close_releases(monkeypatch):
     assert cu.held() == (set(), set(), set())
 
 
-@pytest.fixture
-def fresh_fabric_probe():
-    """`memory.fabric_handles` asks the driver once per device: each fake driver is asked anew."""
-    memory.fabric_handles.cache_clear()
-    yield
-    memory.fabric_handles.cache_clear()
-
-
-@pytest.mark.parametrize("fabric,types", [("absent", 1), ("refused", 1), ("granted", 1 | 8)])
-def test_engine_memory_asks_for_fabric_handles_only_where_an_allocation_gets_one(monkeypatch, fresh_fabric_probe,
-                                                                                 fabric, types):
-    """UCX's cuda_ipc moves VMM memory between processes only by fabric handle: engines ask for
-    one too where the driver grants it, and a probe refused (no IMEX channel) costs nothing."""
-    cu = FakeDriver(fabric=fabric)
-    monkeypatch.setattr(memory, "_cu", lambda: cu)
-    buf = memory.VmmBuffer(1 << 20)
-    assert cu.requested[-1] == types
-    buf.close()
-    assert cu.held() == (set(), set(), set()), cu.calls  # the probe's allocation released too
-
-
-@pytest.mark.usefixtures("fresh_fabric_probe")
 @pytest.mark.parametrize("fail_at", ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
 def test_vmm_buffer_releases_its_allocation_on_failure(monkeypatch, fail_at):
     cu = FakeDriver(fail_at)

@@ -8,9 +8,10 @@ shape and strides) at a shareable allocation holding the same bytes:
     CPU:  memfd (MAP_SHARED)             --fd over SCM_RIGHTS--> daemon mmaps the same pages
     GPU:  CUDA VMM, POSIX-fd handle      --fd over SCM_RIGHTS--> daemon imports and maps it
 
-The old buffer is freed when its last view is re-pointed. The tensors found are the ones vLLM
-handed the connector, the attention layers' bound caches, and any other live tensor on the
-same storage (found by a one-time scan), so no view keeps reading the private copy.
+The private buffer is given back before the shareable one is allocated (vLLM sizes the cache
+to the free memory: two would not fit), its bytes kept on the host meanwhile. The tensors found
+are the ones vLLM handed the connector, the attention layers' bound caches, and any other live
+tensor on the same storage (found by a one-time scan), so no view keeps reading the private copy.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[Sha
     Returns the shared buffers and, per layer, (buffer index, byte offset of the layer's
     first element in that buffer).
     """
-    import torch  # the worker already has it: this runs inside vLLM
-
     storages: dict[int, Any] = {}
     for t in kv_caches.values():
         st = t.untyped_storage()
@@ -61,20 +60,40 @@ def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[Sha
     views = _views_of(storages, list(kv_caches.values()) + list(also))
     buffers: list[SharedBuffer] = []
     for ptr, st in storages.items():
-        buf = _allocate(st.nbytes(), st.device)
-        new_storage = buf.keep[-1]
-        old = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-        # A VMM allocation is rounded up to the device's granularity: copy into its first bytes.
-        torch.empty(0, dtype=torch.uint8, device=st.device).set_(new_storage, 0, (st.nbytes(),)).copy_(old)
-        del old
+        buf = _replace(st)
         for t in views[ptr]:
-            t.set_(new_storage, t.storage_offset(), t.size(), t.stride())
+            t.set_(buf.keep[-1], t.storage_offset(), t.size(), t.stride())
         buffers.append(buf)
         log.info("KV cache buffer of %d B moved to %s (%d views re-pointed)", buf.nbytes, buf.kind, len(views[ptr]))
     index = {b.address: i for i, b in enumerate(buffers)}
     layers = {name: (index[t.untyped_storage().data_ptr()], t.storage_offset() * t.element_size())
               for name, t in kv_caches.items()}
     return buffers, layers
+
+
+def _replace(st: Any) -> SharedBuffer:
+    """Shareable memory holding `st`'s bytes, allocated once `st`'s own is given back: vLLM sizes
+    its KV cache to what the device has free, so there is no room for a second copy beside it.
+    The bytes are kept on the host meanwhile (a fresh cache is zeros: nothing to keep); the
+    views of `st` must be re-pointed before anything reads them."""
+    import torch
+
+    nbytes, device = st.nbytes(), st.device
+    old = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+    kept = old.to("cpu", copy=True) if bool(old.any()) else None
+    del old
+    if st.resizable():  # storages torch allocated are; one that is not stays beside its copy
+        st.resize_(0)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # from torch's cache back to the driver, for cuMemCreate
+    buf = _allocate(nbytes, device)
+    # A VMM allocation is rounded up to the device's granularity: the bytes go to its first ones.
+    new = torch.empty(0, dtype=torch.uint8, device=device).set_(buf.keep[-1], 0, (nbytes,), (1,))
+    if kept is not None:
+        new.copy_(kept)
+    elif device.type == "cuda":
+        new.zero_()  # device memory comes uninitialised; a memfd comes zeroed
+    return buf
 
 
 def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]]:
