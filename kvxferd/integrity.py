@@ -40,6 +40,7 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 BATCH_WORDS = 1 << 20  # gather at most this many words at once (8 MiB of index)
 SLOW_JOB_S = 5.0  # a digest job running longer is logged
 LONG_ROW_WORDS = 512  # rows this long (4 KiB) are digested in place one by one; shorter ones gathered
+CHUNK_WORDS = 1 << 20  # a row longer than this (8 MiB) is digested a chunk at a time: bounded temporaries
 
 
 class AuditError(ValueError):
@@ -94,6 +95,13 @@ class Digester:
 def weights(words: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         return (np.arange(words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * GOLDEN
+
+
+def _chunk_shift(first: int) -> int:
+    """A chunk starting at word `first` of a row: its weights are the first chunk's plus this,
+    (2 (first + j) + 1) G = (2 j + 1) G + 2 first G (mod 2^64), as a signed 64-bit int."""
+    shift = 2 * first * int(GOLDEN) % (1 << 64)
+    return shift - (1 << 64) if shift >= 1 << 63 else shift
 
 
 def digest_bytes(data: bytes | np.ndarray) -> int:
@@ -190,13 +198,19 @@ def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarra
     if m.kind == "VRAM":
         return _digest_uniform_torch(m, first_word, words)
     mem = _host_words(m)
-    k = weights(words)
+    k = weights(min(words, CHUNK_WORDS))
     out = np.empty(len(first_word), dtype=np.uint64)
     step = max(1, BATCH_WORDS // words)
     with np.errstate(over="ignore"):
-        if words >= LONG_ROW_WORDS:  # a dot product in place: no copy, ~6 GB/s against ~1 for a gather
+        if words >= LONG_ROW_WORDS:  # dot products in place: no copy, ~6 GB/s against ~1 for a gather
             for i, s in enumerate(first_word.tolist()):
-                out[i] = np.dot(mem[s:s + words], k)
+                total = np.uint64(0)
+                for a in range(0, words, CHUNK_WORDS):
+                    x = mem[s + a:s + min(words, a + CHUNK_WORDS)]
+                    total += np.dot(x, k[:len(x)])
+                    if a:
+                        total += np.int64(_chunk_shift(a)).view(np.uint64) * x.sum(dtype=np.uint64)
+                out[i] = total
             return out
         for s in range(0, len(first_word), step):
             idx = first_word[s:s + step, None] + np.arange(words, dtype=np.int64)
@@ -222,8 +236,18 @@ def _digest_uniform_torch(m: Mapping, first_word: np.ndarray, words: int, device
         mem = torch.from_numpy(_host_words(m).view(np.int64))
     else:
         mem = torch.as_tensor(_CudaBytes(m.address, m.nbytes), device=f"cuda:{m.device}")
-    k = torch.from_numpy(weights(words).view(np.int64)).to(mem.device)
+    k = torch.from_numpy(weights(min(words, CHUNK_WORDS)).view(np.int64)).to(mem.device)
     out = np.empty(len(first_word), dtype=np.uint64)
+    if words > CHUNK_WORDS:  # slices a chunk at a time: no index as long as the row on the engine's device
+        for i, s in enumerate(first_word.tolist()):
+            total = torch.zeros((), dtype=torch.int64, device=mem.device)
+            for a in range(0, words, CHUNK_WORDS):
+                x = mem[s + a:s + min(words, a + CHUNK_WORDS)]
+                total += (x * k[:len(x)]).sum()
+                if a:
+                    total += _chunk_shift(a) * x.sum()
+            out[i] = np.int64(total.item()).view(np.uint64)
+        return out
     step = max(1, BATCH_WORDS // words)
     for s in range(0, len(first_word), step):
         idx = torch.from_numpy(first_word[s:s + step]).to(mem.device)[:, None] + torch.arange(words,

@@ -66,6 +66,22 @@ def test_the_device_path_computes_the_same_digests():
             == integrity._digest_uniform(m, first, 32)).all()
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_rows_longer_than_a_chunk_are_digested_a_chunk_at_a_time_by_the_definition(monkeypatch, path):
+    """A row as long as a whole hold is digested in chunks (bounded temporaries on the host or on
+    the engine's device), each chunk's weights shifted to its place: the definition's bits."""
+    if path == "torch" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    monkeypatch.setattr(integrity, "CHUNK_WORDS", 1000)
+    m, view = host_mapping(1 << 16, seed=4)
+    first = np.array([0, 3, 4500], dtype=np.int64)
+    words = 3500  # four chunks, the last one short
+    got = (integrity._digest_uniform(m, first, words) if path == "numpy"
+           else integrity._digest_uniform_torch(m, first, words, device="cpu"))
+    want = [integrity.digest_bytes(view[8 * s:8 * (s + words)]) for s in first.tolist()]
+    assert got.tolist() == want
+
+
 def test_block_rows_cover_exactly_the_blocks_bytes():
     """Writing group 0's block 5 changes only its rows' digests; other blocks' bytes are not in them
     (a hybrid model: attention and state groups share the buffers)."""
