@@ -106,11 +106,17 @@ def _chunk_shift(first: int) -> int:
 
 def digest_bytes(data: bytes | np.ndarray) -> int:
     """The digest of one row given as bytes (the definition the vectorized paths implement)."""
+    words = _padded_words(data)
+    with np.errstate(over="ignore"):
+        return int((words * weights(len(words))).sum(dtype=np.uint64))
+
+
+def _padded_words(data: bytes | np.ndarray) -> np.ndarray:
+    """Bytes as little-endian uint64 words, the last one padded with zeros."""
     raw = np.frombuffer(bytes(data), dtype=np.uint8)
     padded = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
     padded[:len(raw)] = raw
-    with np.errstate(over="ignore"):
-        return int((padded.view("<u8") * weights(len(padded) // 8)).sum(dtype=np.uint64))
+    return padded.view("<u8")
 
 
 def _locate(mappings: Sequence[Mapping], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -173,9 +179,10 @@ def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
 
 
 def _odd_row_digests(m: Mapping, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Digests of rows not in whole words, one at a time by the definition. Device memory is
-    copied off the device row by row, through one view of the mapping: never read through a host
-    pointer (a VRAM row dereferenced so would fault the daemon)."""
+    """Digests of rows not in whole words, one at a time by the definition, a chunk of a row at a
+    time (a row may be as long as a hold). Device memory is copied off the device chunk by chunk,
+    through one view of the mapping: never read through a host pointer (a VRAM row dereferenced
+    so would fault the daemon)."""
     read: Callable[[int, int], bytes]
     if m.kind == "VRAM":
         import torch
@@ -187,8 +194,19 @@ def _odd_row_digests(m: Mapping, offsets: np.ndarray, lengths: np.ndarray) -> np
     else:
         def read(offset: int, nbytes: int) -> bytes:
             return ctypes.string_at(m.address + offset, nbytes)
-    return np.array([digest_bytes(read(o, n)) for o, n in zip(offsets.tolist(), lengths.tolist())],
-                    dtype=np.uint64)
+    chunk = 8 * CHUNK_WORDS
+
+    def digest(offset: int, nbytes: int) -> int:
+        total = 0
+        for a in range(0, nbytes, chunk):
+            words = _padded_words(read(offset + a, min(chunk, nbytes - a)))
+            with np.errstate(over="ignore"):
+                total += int((words * weights(len(words))).sum(dtype=np.uint64))
+                if a:
+                    total += (_chunk_shift(a // 8) % (1 << 64)) * int(words.sum(dtype=np.uint64))
+        return total % (1 << 64)
+
+    return np.array([digest(o, n) for o, n in zip(offsets.tolist(), lengths.tolist())], dtype=np.uint64)
 
 
 def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarray:

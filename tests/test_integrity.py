@@ -82,6 +82,18 @@ def test_rows_longer_than_a_chunk_are_digested_a_chunk_at_a_time_by_the_definiti
     assert got.tolist() == want
 
 
+def test_rows_not_in_whole_words_are_digested_a_chunk_at_a_time_by_the_definition(monkeypatch):
+    """A row of odd offset and length, as long as a hold, costs a chunk of memory at a time, not its
+    length several times over; an empty row's digest is 0."""
+    monkeypatch.setattr(integrity, "CHUNK_WORDS", 1000)
+    m, view = host_mapping(1 << 16, seed=6)
+    spans = [(3, 8 * 3500 + 5), (8 * 7 + 1, 8 * 1000), (100, 17), (5, 0)]
+    rows = np.array([(m.address + off, n) for off, n in spans], dtype=np.int64)
+    want = [integrity.digest_bytes(view[off:off + n]) for off, n in spans]
+    assert integrity.digest_rows([m], rows).tolist() == want
+    assert want[-1] == 0
+
+
 def test_block_rows_cover_exactly_the_blocks_bytes():
     """Writing group 0's block 5 changes only its rows' digests; other blocks' bytes are not in them
     (a hybrid model: attention and state groups share the buffers)."""

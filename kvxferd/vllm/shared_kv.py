@@ -9,7 +9,8 @@ shape and strides) at a shareable allocation holding the same bytes:
     GPU:  CUDA VMM, POSIX-fd handle      --fd over SCM_RIGHTS--> daemon imports and maps it
 
 The private buffer is given back before the shareable one is allocated (vLLM sizes the cache
-to the free memory: two would not fit), its bytes kept on the host meanwhile. The tensors found
+to the free memory: two would not fit), its bytes kept on the host meanwhile; where something
+else holds it, the copy is made beside it instead (logged). The tensors found
 are the ones vLLM handed the connector, the attention layers' bound caches, and any other live
 tensor on the same storage (found by a one-time scan), so no view keeps reading the private copy.
 """
@@ -58,42 +59,73 @@ def share(kv_caches: dict[str, Any], also: Iterable[Any] = ()) -> tuple[list[Sha
         st = t.untyped_storage()
         storages.setdefault(st.data_ptr(), st)
     views = _views_of(storages, list(kv_caches.values()) + list(also))
-    buffers: list[SharedBuffer] = []
-    for ptr, st in storages.items():
-        buf = _replace(st)
-        for t in views[ptr]:
-            t.set_(buf.keep[-1], t.storage_offset(), t.size(), t.stride())
-        buffers.append(buf)
-        log.info("KV cache buffer of %d B moved to %s (%d views re-pointed)", buf.nbytes, buf.kind, len(views[ptr]))
+    buffers = [_replace(st, views[ptr]) for ptr, st in storages.items()]
     index = {b.address: i for i, b in enumerate(buffers)}
     layers = {name: (index[t.untyped_storage().data_ptr()], t.storage_offset() * t.element_size())
               for name, t in kv_caches.items()}
     return buffers, layers
 
 
-def _replace(st: Any) -> SharedBuffer:
-    """Shareable memory holding `st`'s bytes, allocated once `st`'s own is given back: vLLM sizes
-    its KV cache to what the device has free, so there is no room for a second copy beside it.
-    The bytes are kept on the host meanwhile (a fresh cache is zeros: nothing to keep); the
-    views of `st` must be re-pointed before anything reads them."""
+def _replace(st: Any, views: list[Any]) -> SharedBuffer:
+    """Shareable memory holding `st`'s bytes, with every one of `views` re-pointed at it.
+
+    vLLM sizes its KV cache to what the device has free, so there is no room for a second copy
+    beside it: `st`'s own memory is given back first (on a GPU, from torch's cache to the driver
+    too), its bytes kept on the host meanwhile (a fresh cache is zeros: nothing to keep). Only
+    when the views are all that hold `st`: a holder missed would read freed memory and crash,
+    so then the copy is made beside it, as a storage torch did not allocate must be too."""
     import torch
 
     nbytes, device = st.nbytes(), st.device
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"kvxferd: KV cache on {device.type} devices is not supported (cpu and cuda are)")
+    holders = _holders(st)
+    release = st.resizable() and holders == len(views) + 1  # the views and `st` itself
     old = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
-    kept = old.to("cpu", copy=True) if bool(old.any()) else None
-    del old
-    if st.resizable():  # storages torch allocated are; one that is not stays beside its copy
+    kept = old.to("cpu", copy=True) if release and bool(old.any()) else None
+    if release:
+        del old
         st.resize_(0)
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # from torch's cache back to the driver, for cuMemCreate
-    buf = _allocate(nbytes, device)
+            torch.cuda.empty_cache()
+    try:
+        buf = _allocate(nbytes, device)
+    except Exception as exc:
+        if release:  # the cache as it was, for whatever vLLM does with the error
+            st.resize_(nbytes)
+            restored = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+            if kept is not None:
+                restored.copy_(kept)
+            else:
+                restored.zero_()
+        raise RuntimeError(f"kvxferd: no shareable {device.type} memory for a KV cache buffer of {nbytes} B "
+                           f"({type(exc).__name__}: {exc})") from exc
     # A VMM allocation is rounded up to the device's granularity: the bytes go to its first ones.
     new = torch.empty(0, dtype=torch.uint8, device=device).set_(buf.keep[-1], 0, (nbytes,), (1,))
-    if kept is not None:
+    if not release:
+        new.copy_(old)
+        log.warning("KV cache buffer of %d B copied beside its private one, which stays allocated until "
+                    "vLLM lets it go (%s)", nbytes, "not allocated by torch" if not st.resizable()
+                    else f"{holders - 1} holders, {len(views)} of them views found")
+    elif kept is not None:
         new.copy_(kept)
     elif device.type == "cuda":
         new.zero_()  # device memory comes uninitialised; a memfd comes zeroed
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the bytes are in place before the daemon is told of them
+    for t in views:
+        t.set_(buf.keep[-1], t.storage_offset(), t.size(), t.stride())
+    log.info("KV cache buffer of %d B moved to %s (%d views re-pointed%s)", buf.nbytes, buf.kind, len(views),
+             ", its private buffer given back first" if release else "")
     return buf
+
+
+def _holders(st: Any) -> int:
+    """How many tensors and storage objects hold `st`'s memory (-1 where torch does not say)."""
+    import torch
+
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return int(count(st._cdata)) if count is not None else -1
 
 
 def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]]:
@@ -121,6 +153,7 @@ def _allocate(nbytes: int, device: Any) -> SharedBuffer:
 
     if device.type == "cpu":
         fd = sealed_memfd(nbytes, "kvxferd-vllm-kv")
+        os.posix_fallocate(fd, 0, nbytes)  # its pages now, as the engine's: no shortage found mid-serving
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         tensor = torch.frombuffer(mm, dtype=torch.uint8)
         storage = tensor.untyped_storage()
