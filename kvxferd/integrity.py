@@ -168,12 +168,12 @@ def digest_rows(mappings: Sequence[Mapping], rows: np.ndarray) -> np.ndarray:
     aligned = (offset % 8 == 0) & (rows[:, 1] % 8 == 0)
     odd = ~aligned & (rows[:, 1] > 0)  # rare: rows of odd lengths or offsets (an empty row's digest is 0)
     for mi, m in enumerate(mappings):
-        sel = np.flatnonzero(odd & (which == mi))
+        mine = which == mi
+        sel = np.flatnonzero(odd & mine)
         if len(sel):
             out[sel] = _odd_row_digests(m, offset[sel], rows[sel, 1])
-    for mi, m in enumerate(mappings):
-        for length in np.unique(rows[aligned & (which == mi), 1]):
-            sel = np.flatnonzero(aligned & (which == mi) & (rows[:, 1] == length))
+        for length in np.unique(rows[aligned & mine, 1]):
+            sel = np.flatnonzero(aligned & mine & (rows[:, 1] == length))
             out[sel] = _digest_uniform(m, offset[sel] // 8, int(length) // 8)
     return out
 
@@ -194,19 +194,32 @@ def _odd_row_digests(m: Mapping, offsets: np.ndarray, lengths: np.ndarray) -> np
     else:
         def read(offset: int, nbytes: int) -> bytes:
             return ctypes.string_at(m.address + offset, nbytes)
-    chunk = 8 * CHUNK_WORDS
+    k = weights(min(CHUNK_WORDS, -(-int(lengths.max()) // 8)))
 
-    def digest(offset: int, nbytes: int) -> int:
-        total = 0
-        for a in range(0, nbytes, chunk):
-            words = _padded_words(read(offset + a, min(chunk, nbytes - a)))
-            with np.errstate(over="ignore"):
-                total += int((words * weights(len(words))).sum(dtype=np.uint64))
-                if a:
-                    total += (_chunk_shift(a // 8) % (1 << 64)) * int(words.sum(dtype=np.uint64))
-        return total % (1 << 64)
+    def digest(offset: int, nbytes: int) -> np.uint64:
+        return _chunked_digest(-(-nbytes // 8), k, lambda a, count: _padded_words(
+            read(offset + 8 * a, min(8 * count, nbytes - 8 * a))))
 
     return np.array([digest(o, n) for o, n in zip(offsets.tolist(), lengths.tolist())], dtype=np.uint64)
+
+
+def _slices(words: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """`_chunked_digest`'s chunks of a row in memory: views, no copies."""
+    return lambda first, count: words[first:first + count]
+
+
+def _chunked_digest(words: int, k: np.ndarray, chunk: Callable[[int, int], np.ndarray]) -> np.uint64:
+    """One row's digest from its `words` words, CHUNK_WORDS at a time (`chunk(first, count)`: those
+    words as uint64), each chunk's weights the first chunk's `k` shifted to its place: bounded
+    temporaries however long the row."""
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for a in range(0, words, CHUNK_WORDS):
+            x = chunk(a, min(CHUNK_WORDS, words - a))
+            total += np.dot(x, k[:len(x)])
+            if a:
+                total += np.int64(_chunk_shift(a)).view(np.uint64) * x.sum(dtype=np.uint64)
+    return total
 
 
 def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarray:
@@ -222,13 +235,7 @@ def _digest_uniform(m: Mapping, first_word: np.ndarray, words: int) -> np.ndarra
     with np.errstate(over="ignore"):
         if words >= LONG_ROW_WORDS:  # dot products in place: no copy, ~6 GB/s against ~1 for a gather
             for i, s in enumerate(first_word.tolist()):
-                total = np.uint64(0)
-                for a in range(0, words, CHUNK_WORDS):
-                    x = mem[s + a:s + min(words, a + CHUNK_WORDS)]
-                    total += np.dot(x, k[:len(x)])
-                    if a:
-                        total += np.int64(_chunk_shift(a)).view(np.uint64) * x.sum(dtype=np.uint64)
-                out[i] = total
+                out[i] = _chunked_digest(words, k, _slices(mem[s:s + words]))
             return out
         for s in range(0, len(first_word), step):
             idx = first_word[s:s + step, None] + np.arange(words, dtype=np.int64)
