@@ -148,25 +148,28 @@ def _views_of(storages: dict[int, Any], known: list[Any]) -> dict[int, list[Any]
 
 
 def _allocate(nbytes: int, device: Any) -> SharedBuffer:
-    """A shareable allocation of `nbytes` on `device`; its torch storage is `keep[-1]`."""
+    """A shareable allocation of `nbytes` on `device` (cpu or cuda: `_replace` checked); its torch
+    storage is `keep[-1]`."""
     import torch
 
     if device.type == "cpu":
         fd = sealed_memfd(nbytes, "kvxferd-vllm-kv")
-        os.posix_fallocate(fd, 0, nbytes)  # its pages now, as the engine's: no shortage found mid-serving
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # its pages now, as the engine's: no shortage found mid-serving
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)  # its pages with it
+            raise
         tensor = torch.frombuffer(mm, dtype=torch.uint8)
         storage = tensor.untyped_storage()
         return SharedBuffer(fd, nbytes, storage.data_ptr(), "shm", 0, [mm, storage])
-    if device.type == "cuda":
-        from ..memory import VmmBuffer
+    from ..memory import VmmBuffer
 
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        vmm = VmmBuffer(nbytes, index)
-        tensor = torch.as_tensor(_CudaArray(vmm.address, vmm.nbytes), device=device)
-        storage = tensor.untyped_storage()
-        return SharedBuffer(vmm.export(), vmm.nbytes, vmm.address, "cuda_vmm", index, [vmm, storage])
-    raise RuntimeError(f"kvxferd: KV cache on {device.type} devices is not supported (cpu and cuda are)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    vmm = VmmBuffer(nbytes, index)
+    tensor = torch.as_tensor(_CudaArray(vmm.address, vmm.nbytes), device=device)
+    storage = tensor.untyped_storage()
+    return SharedBuffer(vmm.export(), vmm.nbytes, vmm.address, "cuda_vmm", index, [vmm, storage])
 
 
 class _CudaArray:
