@@ -152,12 +152,14 @@ def bench_data(
     device: str = typer.Option("cpu", help="cpu (shared host memory) or cuda-vmm (GPU memory)."),
     rounds: int = typer.Option(5, help="Alternating rounds (kvxferd, raw NIXL) per page size; medians over all."),
     page_kib: list[int] = typer.Option([], "--page-kib", help="Page sizes in KiB (repeatable); default 4 to 1024."),
+    announce: bool = typer.Option(True, help="The decode engine announces each read (expect) before it, as "
+                                             "vLLM's connector does; unannounced, a read's lease claim goes with it."),
 ) -> None:
     """Throughput through kvxferd vs raw NIXL vs memcpy, pages of 4 KiB to 1 MiB."""
     from .benchmarks import dataplane
 
     pages = [k << 10 for k in page_kib] or list(dataplane.PAGE_SIZES)
-    rows = dataplane.run(pages, total_mib=mib, repeats=repeats, rounds=rounds, device=device)
+    rows = dataplane.run(pages, total_mib=mib, repeats=repeats, rounds=rounds, device=device, announce=announce)
     typer.echo(json.dumps(rows, indent=2) if as_json else dataplane.render(rows))
 
 

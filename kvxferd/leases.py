@@ -269,6 +269,10 @@ class Leases:
                 self._tasks.add(task)  # the loop keeps only a weak reference
                 task.add_done_callback(self._tasks.discard)
 
+    def asking(self, keys: list[ClaimKey]) -> bool:
+        """A claim on one of these holds awaits its answer."""
+        return any((c := self._claims.get(k)) is not None and c.asking is not None for k in keys)
+
     def take_answers(self, keys: list[ClaimKey]) -> None:
         """Apply now the answers to these claims that are already in our sockets, instead of a
         few loop turns from now: for a caller that just held the loop through a large READ's copy

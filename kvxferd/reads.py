@@ -136,6 +136,8 @@ class Transfer:
     claims: list[ClaimKey] = field(default_factory=list)  # on the prefill holds it reads (leases.py)
     reading: Reading | None = None  # what it reads on `route` (`reads_on`)
     done_at: float = 0.0  # monotonic: when every READ was seen DONE
+    told: P.Completion | None = None  # `received`, handed to the engine ahead of the bookkeeping (`_tell`)
+    told_at: float = 0.0  # perf_counter: when
     paused: float = 0.0  # seconds its deadline moved on for pauses of this daemon (`Reads.paused`)
 
     @property
@@ -466,18 +468,18 @@ class Reads:
                 del t.claims[len(t.claims) - len(t.read_claims):]  # appended last, after the expectation's
                 t.read_claims = []
             raise
-        self._recorder.read_posted(t.peer_label, t.descriptors, notifications, time.perf_counter() - t.received_at,
-                                   len(t.postings) if t.split else 0)
+        since_rpc, slices = time.perf_counter() - t.received_at, len(t.postings) if t.split else 0
         if not t.running:
             self._finish(t)
-            return
-        if early:  # the loop was held through the copy if it ran inside the post (CMA): see it ended now
+        elif early:  # the loop was held through the copy if it ran inside the post (CMA): see it ended now
             self._settle_at_once(t)
         elif not t.split and t.side_channel(self._notices) is not None:
             # No READ carries a notification, so none waits for the peer's progress: over CMA the
             # copy ran inside the post and the READs are DONE already. Checked once the engine's
             # answer has left (its replies go out as this loop callback ends).
             asyncio.get_running_loop().call_soon(self._check_posted, t)
+        # after a settled read's completion: metrics need not delay the engine
+        self._recorder.read_posted(t.peer_label, t.descriptors, notifications, since_rpc, slices)
         if t.running:
             self._on_posted()
 
@@ -493,7 +495,7 @@ class Reads:
         """A large READ just posted: if it is DONE already, report it now rather than after the
         loop turns that would take the claims' answers off the socket, find the READ done and
         deliver it (~1 ms after a 64 MiB copy held the loop, measured: docs/benchmarks.md)."""
-        if self._leases is not None:
+        if self._leases is not None and self._leases.asking(t.read_claims):  # an announced read's are answered
             self._leases.take_answers(t.read_claims)
         self._check(t, time.monotonic())
 
@@ -514,20 +516,32 @@ class Reads:
             self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
 
     # --- end ------------------------------------------------------------------
+    def _tell(self, t: Transfer) -> None:
+        """The engine hears its read arrived, before `_finish`'s bookkeeping (notifications, metrics,
+        releases: ~0.3 ms after a large copy has flushed the caches) that changes nothing it hears.
+        Only for a read whose bytes are here and vouched for."""
+        if t.told is None and not t.done:
+            t.told = P.Completion(t.msg.request_id, "received", [], "", t.nbytes, time.monotonic() - t.started)
+            t.told_at = time.perf_counter()
+            t.engine.complete(t.told)
+
     def _finish(self, t: Transfer) -> None:
         """The read arrived: every byte is in the engine's blocks."""
         if t.done:
             return
+        self._tell(t)
+        assert t.told is not None
         t.done = t.received = True
-        seconds = time.monotonic() - t.started
-        self._recorder.read_received(t.peer_label, t.nbytes, seconds, time.perf_counter() - t.received_at)
-        t.engine.complete(P.Completion(t.msg.request_id, "received", [], "", t.nbytes, seconds))
+        self._recorder.read_received(t.peer_label, t.nbytes, t.told.seconds, t.told_at - t.received_at)
         self._end(t)
 
     def _fail(self, t: Transfer, kind: FailureKind, reason: str, block_ids: list[list[int]] | None = None) -> None:
         """The read failed: the engine learns which of its blocks hold no valid data (all of the
         request's, unless an audit named the corrupt ones)."""
         if t.done:
+            return
+        if t.told is not None:  # it heard `received`: its bytes are here and vouched for
+            self._finish(t)
             return
         t.done = True
         seconds = time.monotonic() - t.started
@@ -579,13 +593,16 @@ class Reads:
             return t.read_claims, "", ""
         return t.read_claims, t.route.agent, t.route.peer.epoch
 
+    def _vouched(self, t: Transfer) -> bool:
+        """The prefill's holds are known to have lived until every READ was DONE (no round trip)."""
+        if self._leases is None:
+            return True
+        keys, agent, epoch = self._vouching(t)
+        return self._leases.covers(keys, t.done_at, agent, epoch)
+
     def _deliver(self, t: Transfer) -> None:
         """Every READ is DONE: `received` once the prefill's holds are vouched for through then."""
-        if self._leases is None:
-            self._notify_and_finish(t)
-            return
-        keys, agent, epoch = self._vouching(t)
-        if self._leases.covers(keys, t.done_at, agent, epoch):
+        if self._vouched(t):
             self._notify_and_finish(t)
         else:
             self._spawn(self._deliver_confirmed(t))
@@ -730,16 +747,21 @@ class Reads:
             # progress (UCX over TCP, a new endpoint's wire-up), which that daemon gives when asked
             self._notices.serve(t.route.peer, now)
         if done:
+            t.done_at = now
+            vouched = not t.audit and self._vouched(t)
+            if vouched:
+                self._tell(t)
             took = t.transfer_seconds(self._recorder)
             if t.nbytes >= 1 << 20 and took > 0:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
             t.release_all()
-            t.done_at = now
             if t.audit:
                 self._spawn(self._audit(t))
-                return
-            self._deliver(t)
+            elif vouched:
+                self._notify_and_finish(t)
+            else:
+                self._spawn(self._deliver_confirmed(t))
         elif now >= self._deadline(t, now):
             t.settle()  # before the reason says whether anything is left running
             self._fail(t, "deadline", f"{t.msg.deadline_s:.3g} s passed" +

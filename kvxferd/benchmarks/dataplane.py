@@ -274,9 +274,11 @@ class Stream(NamedTuple):
 
 
 def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device: str = "cpu",
-                    raw_first: bool | None = None) -> Stream:
+                    raw_first: bool | None = None, announce: bool = True) -> Stream:
     """`repeats` requests through kvxferd. The decode engine learns of completions from its
-    doorbell's records, as the vLLM worker does. `raw_first` True / False: also `repeats` raw
+    doorbell's records, and announces each read `ANNOUNCE_S` before it (`announce`), as the vLLM
+    worker does (its prefill's holds are then vouched for before the READ ends, docs/reliability.md;
+    unannounced, each read's lease claim travels with it). `raw_first` True / False: also `repeats` raw
     NIXL READs between the same two engines' memory, before / after kvxferd's (the speed of a
     copy on this VM depends on the pages it lands on: only the same pages compare the two)."""
     shape = shape_for(page, n)
@@ -306,6 +308,9 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
         for i in range(repeats + 2):
             remote = RemoteRef(prefill_id, host, int(port), 1, f"r{i}")
             p.client.hold(f"r{i}", 300.0, blocks)  # what a prefill does first (untimed)
+            if announce:  # as the request reaches the decode's scheduler, before its read (untimed)
+                d.client.expect(f"r{i}", remote)
+                time.sleep(ANNOUNCE_S)
             t0 = time.perf_counter()
             d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
             ack = time.perf_counter() - t0
@@ -358,18 +363,20 @@ def small_reads_meanwhile(sockets: list[str], page: int, n: int, repeats: int) -
             e.close()
 
 
+ANNOUNCE_S = 0.002  # between a read's announcement and the read: its claims' answers arrive meanwhile
 WHOLE = {"KVXFERD_LANES": "0"}  # every read posted whole on the decode daemon's agent (one stream)
 LANES = 2  # the lanes pair: a 64 MiB read split across 2 posting lanes
 
 
 def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: int = 10, rounds: int = 5,
-        device: str = "cpu", lane_split_bytes: int | None = None) -> list[dict[str, Any]]:
+        device: str = "cpu", lane_split_bytes: int | None = None, announce: bool = True) -> list[dict[str, Any]]:
     """Medians over `rounds` alternating runs of each path, so that a noisy neighbour on this
     machine weighs on all alike. Per page size, fresh daemons: one pair posting every read whole
     (lanes off), one pair with 2 posting lanes (a 64 MiB read split across them); the
     whole pair's own latency figures (RPC -> READ posted, RPC -> completion, NIXL's post call)
     cover that page size alone. On the CPU, parity is judged against raw NIXL reading the same
-    engines' pages, before kvxferd in odd rounds and after it in even ones."""
+    engines' pages, before kvxferd in odd rounds and after it in even ones. `announce`: the
+    engines announce their reads (`through_kvxferd`)."""
     rows: list[dict[str, Any]] = []
     nbytes = total_mib << 20
     same_pages = device == "cpu"  # a VMM allocation has no fd a raw process could map here
@@ -397,12 +404,12 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
             one_stream_sockets, laned_sockets = [d.socket for d in one_stream], [d.socket for d in laned]
             for i in range(rounds):
                 stream = through_kvxferd(one_stream_sockets, page, n, repeats, device,
-                                         raw_first=i % 2 == 1 if same_pages else None)
+                                         raw_first=i % 2 == 1 if same_pages else None, announce=announce)
                 whole += stream.times
                 acks += stream.acks
                 same += stream.raw_times
                 same_posts += stream.raw_posts
-                split += through_kvxferd(laned_sockets, page, n, repeats, device).times
+                split += through_kvxferd(laned_sockets, page, n, repeats, device, announce=announce).times
                 times, posts = raw_nixl(page, n, repeats, device)
                 raw += times
                 raw_posts += posts
@@ -422,6 +429,7 @@ def run(page_sizes: Iterable[int] = PAGE_SIZES, total_mib: int = 64, repeats: in
         same_post = median(same_posts or raw_posts)
         m1, m2 = memcpy(nbytes, repeats, device), memcpy(nbytes, repeats, device, threads=2)
         rows.append({"page_kib": page >> 10, "descriptors": 2 * n, "mib": total_mib, "rounds": rounds,
+                     "announced": announce,
                      "parity_baseline": "same pages" if same else "own pages",
                      "kvxferd_gb_s": nbytes / k / 1e9, "lanes_gb_s": nbytes / sk / 1e9,
                      "raw_same_pages_gb_s": nbytes / rs / 1e9, "raw_nixl_gb_s": nbytes / r / 1e9,
@@ -458,7 +466,9 @@ def render(rows: list[dict[str, Any]]) -> str:
     if own:
         lines.append("(no raw process can map this device's memory: 'same pgs' and 'kvxferd/raw' here, and every "
                      "raw column below, are raw NIXL between pages of its own)")
-    lines += ["", f"one stream, medians in ms per request (raw: {'its own' if own else 'the same'} pages):",
+    announced = "reads announced, as vLLM's connector does" if rows and rows[0]["announced"] else "reads unannounced"
+    pages = "its own" if own else "the same"
+    lines += ["", f"one stream, medians in ms per request (raw: {pages} pages; {announced}):",
               f"{'page':>8} {'kvxferd':>8} {'read':>6} {'NIXL post':>10} {'raw post':>9} {'copy':>8} {'around':>7} "
               f"{'rpc>post':>9} {'rpc>done':>9} {'raw':>7} {'raw, busy':>10}",
               f"{'':>8} {'client':>8} {'call':>6} {'daemon':>10} {'call':>9} {'raw/kvx':>8} {'copy':>7} "
