@@ -521,9 +521,10 @@ class Reads:
         releases: ~0.3 ms after a large copy has flushed the caches) that changes nothing it hears.
         Only for a read whose bytes are here and vouched for."""
         if t.told is None and not t.done:
-            t.told = P.Completion(t.msg.request_id, "received", [], "", t.nbytes, time.monotonic() - t.started)
-            t.told_at = time.perf_counter()
-            t.engine.complete(t.told)
+            told = P.Completion(t.msg.request_id, "received", [], "", t.nbytes, time.monotonic() - t.started)
+            told_at = time.perf_counter()
+            t.engine.complete(told)
+            t.told, t.told_at = told, told_at  # only once it was handed over
 
     def _finish(self, t: Transfer) -> None:
         """The read arrived: every byte is in the engine's blocks."""
@@ -540,8 +541,8 @@ class Reads:
         request's, unless an audit named the corrupt ones)."""
         if t.done:
             return
-        if t.told is not None:  # it heard `received`: its bytes are here and vouched for
-            self._finish(t)
+        if t.told is not None:  # it heard `received`: its bytes are here and vouched for; its consumers hear too
+            self._notify_and_finish(t)
             return
         t.done = True
         seconds = time.monotonic() - t.started
