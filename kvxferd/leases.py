@@ -269,14 +269,13 @@ class Leases:
                 self._tasks.add(task)  # the loop keeps only a weak reference
                 task.add_done_callback(self._tasks.discard)
 
-    def asking(self, keys: list[ClaimKey]) -> bool:
-        """A claim on one of these holds awaits its answer."""
-        return any((c := self._claims.get(k)) is not None and c.asking is not None for k in keys)
-
     def take_answers(self, keys: list[ClaimKey]) -> None:
         """Apply now the answers to these claims that are already in our sockets, instead of a
         few loop turns from now: for a caller that just held the loop through a large READ's copy
-        (its claims were answered meanwhile) and can then report the read at once."""
+        (its claims were answered meanwhile) and can then report the read at once. Claims no
+        longer asking (an announced read's, answered before it) leave nothing to take."""
+        if not any((c := self._claims.get(k)) is not None and c.asking is not None for k in keys):
+            return
         for host, port in {(k[0], k[1]) for k in keys}:
             link = self._links.get(host, port)
             if link is not None:

@@ -495,7 +495,7 @@ class Reads:
         """A large READ just posted: if it is DONE already, report it now rather than after the
         loop turns that would take the claims' answers off the socket, find the READ done and
         deliver it (~1 ms after a 64 MiB copy held the loop, measured: docs/benchmarks.md)."""
-        if self._leases is not None and self._leases.asking(t.read_claims):  # an announced read's are answered
+        if self._leases is not None:
             self._leases.take_answers(t.read_claims)
         self._check(t, time.monotonic())
 
@@ -601,9 +601,10 @@ class Reads:
         keys, agent, epoch = self._vouching(t)
         return self._leases.covers(keys, t.done_at, agent, epoch)
 
-    def _deliver(self, t: Transfer) -> None:
-        """Every READ is DONE: `received` once the prefill's holds are vouched for through then."""
-        if self._vouched(t):
+    def _deliver(self, t: Transfer, vouched: bool) -> None:
+        """Every READ is DONE: `received` once the prefill's holds are vouched for through then
+        (`vouched`: known to be now, `_vouched`)."""
+        if vouched:
             self._notify_and_finish(t)
         else:
             self._spawn(self._deliver_confirmed(t))
@@ -663,7 +664,7 @@ class Reads:
             self._fail(t, "integrity", f"{rows} rows differ from the prefill's digests, in local blocks "
                                        f"{corrupt}", corrupt)
             return
-        self._deliver(t)
+        self._deliver(t, self._vouched(t))
 
     async def _corrupt_blocks(self, t: Transfer) -> tuple[list[list[int]], int]:
         """Per cache group, the local blocks with a row that differs; and how many rows differ."""
@@ -759,10 +760,8 @@ class Reads:
             t.release_all()
             if t.audit:
                 self._spawn(self._audit(t))
-            elif vouched:
-                self._notify_and_finish(t)
             else:
-                self._spawn(self._deliver_confirmed(t))
+                self._deliver(t, vouched)
         elif now >= self._deadline(t, now):
             t.settle()  # before the reason says whether anything is left running
             self._fail(t, "deadline", f"{t.msg.deadline_s:.3g} s passed" +
