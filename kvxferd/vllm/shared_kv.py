@@ -81,7 +81,7 @@ def _replace(st: Any, views: list[Any]) -> SharedBuffer:
         raise RuntimeError(f"kvxferd: KV cache on {device.type} devices is not supported (cpu and cuda are)")
     holders = _holders(st)
     release = st.resizable() and holders == len(views) + 1  # the views and `st` itself
-    old = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+    old = _bytes(st, nbytes)
     kept = old.to("cpu", copy=True) if release and bool(old.any()) else None
     if release:
         del old
@@ -93,7 +93,7 @@ def _replace(st: Any, views: list[Any]) -> SharedBuffer:
     except Exception as exc:
         if release:  # the cache as it was, for whatever vLLM does with the error
             st.resize_(nbytes)
-            restored = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+            restored = _bytes(st, nbytes)
             if kept is not None:
                 restored.copy_(kept)
             else:
@@ -101,7 +101,7 @@ def _replace(st: Any, views: list[Any]) -> SharedBuffer:
         raise RuntimeError(f"kvxferd: no shareable {device.type} memory for a KV cache buffer of {nbytes} B "
                            f"({type(exc).__name__}: {exc})") from exc
     # A VMM allocation is rounded up to the device's granularity: the bytes go to its first ones.
-    new = torch.empty(0, dtype=torch.uint8, device=device).set_(buf.keep[-1], 0, (nbytes,), (1,))
+    new = _bytes(buf.keep[-1], nbytes)
     if not release:
         new.copy_(old)
         log.warning("KV cache buffer of %d B copied beside its private one, which stays allocated until "
@@ -118,6 +118,13 @@ def _replace(st: Any, views: list[Any]) -> SharedBuffer:
     log.info("KV cache buffer of %d B moved to %s (%d views re-pointed%s)", buf.nbytes, buf.kind, len(views),
              ", its private buffer given back first" if release else "")
     return buf
+
+
+def _bytes(st: Any, nbytes: int) -> Any:
+    """The first `nbytes` of storage `st`, as a uint8 tensor on its device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (nbytes,), (1,))
 
 
 def _holders(st: Any) -> int:
