@@ -309,7 +309,7 @@ def serve(
 
     from . import logs
     from .config import ConfigError, check_curve_files, check_side_channel, load
-    from .daemon import run
+    from .daemon import LoopEnded, run
     from .sockdir import SocketDirError
 
     try:
@@ -338,7 +338,7 @@ def serve(
         loop_run = uvloop.run  # an ImportError inside the daemon is its own failure, not a reason to start again
     try:
         loop_run(run(cfg))
-    except SocketDirError as exc:  # the socket's directory breaks its rule (kvxferd/sockdir.py)
+    except (SocketDirError, LoopEnded) as exc:  # the socket's directory breaks its rule (sockdir.py); a loop ended
         fail(str(exc))
 
 

@@ -73,6 +73,7 @@ class Daemon:
         self.started = time.time()
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.loops: tuple[asyncio.Task[None], ...] = ()
         self._http: asyncio.Server | None = None
         self._connections: set[ServerConnection] = set()
         self._per_uid: dict[int, int] = {}  # open engine connections by uid (max_connections_per_uid)
@@ -125,7 +126,9 @@ class Daemon:
         self._accepting = [accept, asyncio.create_task(self.hs_server.run()),
                            asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer))]
         self.stall = StallWatch(time.monotonic())
-        self._tasks = [asyncio.create_task(self._progress()), asyncio.create_task(self._housekeeping())]
+        # its own loops: if one ends, `run` stops the daemon (only a defect ends one)
+        self.loops = (asyncio.create_task(self._progress()), asyncio.create_task(self._housekeeping()))
+        self._tasks = list(self.loops)
         if cfg.metrics_port >= 0:
             self._http = await serve_http(self.recorder.metrics, cfg.metrics_host, cfg.metrics_port,
                                           lambda: self.ready)
@@ -201,9 +204,14 @@ class Daemon:
         (docs/benchmarks.md, the control path against raw NIXL); on an idle core it returns at once.
         """
         cfg = self.cfg
+        failed = Throttle(HOUSEKEEPING_LOG_S)
         while True:
             self._drain_notifications()
-            self.reads.poll(time.monotonic())
+            try:
+                self.reads.poll(time.monotonic())
+            except Exception:  # a defect: logged, and every read still in flight keeps its progress
+                if failed.due():
+                    log.exception("polling reads failed (logged at most every %g s)", HOUSEKEEPING_LOG_S)
             if self.reads.busy:
                 wait = self.reads.next_poll(time.monotonic(), cfg.spin_s, cfg.poll_interval_s)
                 if wait <= 0:
@@ -596,15 +604,29 @@ def _warm_up() -> None:
     local_descs(plan.peers[0], region_addresses(geo, [0]))
 
 
+class LoopEnded(RuntimeError):
+    """One of the daemon's own loops (progress, housekeeping) ended, which only a defect does."""
+
+
 async def run(cfg: Config, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` (SIGINT, SIGTERM), or until one of the daemon's loops ends: then stop
+    and raise LoopEnded, so that the supervisor starts it again rather than keep a daemon that
+    answers and never completes a read (its watchdog pings come from a loop of their own)."""
     daemon = Daemon(cfg)
     await daemon.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        await asyncio.wait([stopping, *daemon.loops], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        stopping.cancel()
+        ended = [t for t in daemon.loops if t.done() and not t.cancelled()]
         await daemon.stop()
+    if ended:
+        exc = ended[0].exception()
+        log.critical("a daemon loop ended: %r; stopped", exc, exc_info=exc)
+        raise LoopEnded(f"a daemon loop ended ({exc!r}); stopped, to be started again")
 

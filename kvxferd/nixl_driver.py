@@ -27,7 +27,10 @@ from typing import Literal, NewType
 import numpy as np
 import numpy.typing as npt
 
+from .logs import Throttle
 from .memory import MemType
+
+log = logging.getLogger("kvxferd")
 
 DONE, PENDING = "DONE", "PROC"
 XferState = Literal["DONE", "PROC"]
@@ -76,6 +79,7 @@ class NixlDriver:
         self.telemetry = telemetry
         # Remote agents loaded and not removed: what `status` counts, so a peer leak shows.
         self.remote_agents: set[str] = set()
+        self._refusals = Throttle(60.0)  # handles NIXL would not release: one log line a minute
 
     # --- memory ---------------------------------------------------------------
     def register(self, addr: int, nbytes: int, mem_type: MemType = "DRAM", device: int = 0) -> Registration:
@@ -173,8 +177,17 @@ class NixlDriver:
         except Exception:
             return None
 
-    def release(self, handle: XferHandle) -> None:
-        self.agent.release_xfer_handle(handle)
+    def release(self, handle: XferHandle) -> bool:
+        """Free a transfer's handle; False when NIXL refused (it cancels a running transfer, and
+        keeps a handle it could not cancel): the handle is still NIXL's, to be released again
+        later, never asked about after a release that succeeded."""
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:
+            if self._refusals.due():
+                log.warning("NIXL kept a transfer handle it was asked to release (retried): %s", exc)
+            return False
+        return True
 
     # --- notifications --------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:

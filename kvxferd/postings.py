@@ -5,8 +5,10 @@
 
     ended()            True once DONE; TransferError when it failed; False while it runs (or
                        while a slice is still being posted)
-    release_if_ended() released if it ended (done or failed); False while it still runs
-    release()          release one that `ended()` saw DONE (no second state query)
+    release_if_ended() released if it ended (done or failed); False while it still runs, or
+                       while NIXL keeps its handle (then asked again later)
+    release()          release one that `ended()` saw DONE (no second state query); False
+                       when NIXL kept the handle: it stays, and is never released twice
     timing()           NIXL's (post seconds, transfer seconds) once DONE; None when not known
     ended_at()         monotonic time its end was seen where it ran (a lane: as its post
                        returned DONE); 0 when not known
@@ -33,7 +35,7 @@ class Posting(Protocol):
 
     def ended(self) -> bool: ...
     def release_if_ended(self) -> bool: ...
-    def release(self) -> None: ...
+    def release(self) -> bool: ...
     def timing(self) -> tuple[float, float] | None: ...
     def ended_at(self) -> float: ...
     def cancel(self) -> bool: ...
@@ -57,11 +59,10 @@ class AgentRead:
                 return False
         except TransferError:
             pass
-        self.nixl.release(self.handle)
-        return True
+        return self.nixl.release(self.handle)
 
-    def release(self) -> None:
-        self.nixl.release(self.handle)
+    def release(self) -> bool:
+        return self.nixl.release(self.handle)
 
     def timing(self) -> tuple[float, float] | None:
         return self.nixl.telemetry_of(self.handle)
@@ -113,11 +114,10 @@ class SliceRead:
                 return False
         except TransferError:
             pass
-        self.lane.nixl.release(handle)
-        return True
+        return self.lane.nixl.release(handle)
 
-    def release(self) -> None:
-        self.lane.nixl.release(self.posting.result().handle)
+    def release(self) -> bool:
+        return self.lane.nixl.release(self.posting.result().handle)
 
     def timing(self) -> tuple[float, float] | None:
         return None  # lanes run without NIXL telemetry

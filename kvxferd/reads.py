@@ -153,6 +153,12 @@ class Transfer:
         """Something NIXL moves for this read may still be running."""
         return bool(self.postings)
 
+    @property
+    def unseen(self) -> bool:
+        """Posted and not yet seen DONE (nor ended): what the progress loop checks. A read seen
+        DONE may keep a posting whose handle NIXL would not release; it is not checked again."""
+        return bool(self.postings) and not (self.done or self.done_at)
+
     def reads_on(self, route: Route) -> Reading:
         """What this request reads on `route`, per remote rank (its `read_ranks`)."""
         if self.route is route and self.reading is not None:
@@ -249,10 +255,9 @@ class Transfer:
         self.postings = [p for p in self.postings if not p.cancel() and not p.release_if_ended()]
 
     def release_all(self) -> None:
-        """Release every READ: all DONE, as `poll` just saw (no second state query)."""
-        for p in self.postings:
-            p.release()
-        self.postings = []
+        """Release every READ: all DONE, as `poll` just saw (no second state query). One whose
+        handle NIXL keeps stays, as if running (`_end` quarantines it until it is released)."""
+        self.postings = [p for p in self.postings if not p.release()]
 
     def notify_consumers(self, nixl: NixlDriver, notices: Notices | None) -> None:
         """The read is DONE: the notifications its READs did not carry leave now."""
@@ -484,8 +489,8 @@ class Reads:
             self._on_posted()
 
     def _check_posted(self, t: Transfer) -> None:
-        if t.running and not t.done:  # not seen DONE yet (by the progress loop), nor ended
-            self._check(t, time.monotonic())
+        if t.unseen:  # not seen DONE yet by the progress loop
+            self._guarded_check(t, time.monotonic())
 
     def _large(self, reading: Reading) -> bool:
         """Posted whole and large: see EARLY_CLAIM_BYTES."""
@@ -726,14 +731,23 @@ class Reads:
     # --- polling --------------------------------------------------------------
     def poll(self, now: float) -> None:
         """Check posted reads and quarantined handles once."""
-        for t in [t for t in self._in_flight.values() if t.running]:
-            self._check(t, now)
+        for t in [t for t in self._in_flight.values() if t.unseen]:
+            self._guarded_check(t, now)
         for t in list(self._quarantine):
             t.release_ended()
             if not t.running:
                 self._quarantine.remove(t)
                 self._gone(t)
                 self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+
+    def _guarded_check(self, t: Transfer, now: float) -> None:
+        """`_check`, an exception no path expects (a defect) ending this read, as `internal`, and
+        not the progress loop that checks every other read."""
+        try:
+            self._check(t, now)
+        except Exception as exc:
+            log.error("read %s: checking it raised", t.msg.request_id, exc_info=exc)
+            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
 
     def _check(self, t: Transfer, now: float) -> None:
         try:
