@@ -50,8 +50,9 @@ def test_bench_control_runs():
         assert row["requests"] == 40 and row["req_per_s"] > 0
         assert row["rpc_to_post_p50_us"] > 0 and row["client_p99_us"] >= row["client_p50_us"]
         assert row["raw_req_per_s"] > 0 and row["raw_done_p50_us"] >= row["raw_post_p50_us"] > 0
+        assert row["engines_cpu_pct"] >= 0 and row["cpu_us_per_read"] > 0  # all three's CPU, per read
     text = control.render(rows)
-    assert "doorbell / poll" in text and "raw NIXL" in text
+    assert "doorbell / poll" in text and "raw NIXL" in text and "CPU us/read" in text
 
 
 def test_bench_leases_runs():

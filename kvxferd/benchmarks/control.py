@@ -197,11 +197,12 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
             p = BenchEngine(pd.socket, "p", geo)
             d = BenchEngine(dd.socket, "d", geo, doorbell="records" if completions == "doorbell" else "")
             host, port = p.side_channel.rsplit(":", 1)
-            cpu = [cpu_seconds(x.proc.pid) for x in (pd, dd)]
+            pids = (pd.proc.pid, dd.proc.pid, os.getpid())  # the daemons, and this process: the engines
+            cpu = [cpu_seconds(pid) for pid in pids]
             elapsed, lat = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), concurrency, n,
                                               per_frame, (pd.socket, p.client.token), pause_s=pause_s,
                                               bell=d.client if d.client.doorbell is not None else None))
-            cpu = [(cpu_seconds(x.proc.pid) - c) / elapsed * 100 for x, c in zip((pd, dd), cpu)]
+            cpu = [(cpu_seconds(pid) - c) / elapsed * 100 for pid, c in zip(pids, cpu)]
             daemon = d.client.status().latency_us
             rows.append({"concurrency": concurrency, "batch": per_frame, "completions": completions,
                          "pause_ms": pause_s * 1e3, "requests": n, "req_per_s": n / elapsed,
@@ -210,8 +211,11 @@ def run(levels: Iterable[int] = (1, 16, 256), requests: int = 2000,
                          "rpc_to_post_p99_us": _us(daemon.rpc_to_post.p99),
                          "rpc_to_completion_p50_us": _us(daemon.rpc_to_completion.p50),
                          "rpc_to_completion_p99_us": _us(daemon.rpc_to_completion.p99),
-                         # each daemon's CPU over the timed reads, in % of one core
+                         # each process's CPU over the timed reads, in % of one core
                          "prefill_daemon_cpu_pct": cpu[0], "decode_daemon_cpu_pct": cpu[1],
+                         "engines_cpu_pct": cpu[2],
+                         # all three's CPU per read: what bounds reads/s on this machine's cores
+                         "cpu_us_per_read": sum(cpu) / 100 * elapsed / n * 1e6,
                          "raw_req_per_s": raw["req_per_s"], "raw_post_p50_us": raw["post_p50_us"],
                          "raw_done_p50_us": raw["done_p50_us"]})
             d.close()
@@ -264,17 +268,22 @@ def render_leases(rows: list[dict[str, float | str]]) -> str:
 
 def render(rows: list[dict[str, float | str]]) -> str:
     lines = [f"{'conc':>5} {'batch':>5} {'completions':>11} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} "
-             f"{'rpc->post p50/p99 us':>22} {'rpc->done p50/p99 us':>22} {'CPU% prefill/decode':>20}"]
+             f"{'rpc->post p50/p99 us':>22} {'rpc->done p50/p99 us':>22} {'CPU% prefill/decode/engines':>28} "
+             f"{'CPU us/read (bound)':>19}"]
     for r in rows:
         lines.append(f"{r['concurrency']:>5} {r['batch']:>5} {r['completions']:>11} {r['requests']:>6} "
                      f"{r['req_per_s']:>8.0f} "
                      f"{r['client_p50_us']:>9.0f}/{r['client_p99_us']:<9.0f} "
                      f"{r['rpc_to_post_p50_us']:>11.0f}/{r['rpc_to_post_p99_us']:<10.0f} "
                      f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f} "
-                     f"{r['prefill_daemon_cpu_pct']:>10.0f}/{r['decode_daemon_cpu_pct']:<9.0f}")
+                     f"{r['prefill_daemon_cpu_pct']:>12.0f}/{r['decode_daemon_cpu_pct']:.0f}/"
+                     f"{r['engines_cpu_pct']:<10.0f} {r['cpu_us_per_read']:>9.0f} "
+                     f"{'(%.0f/s)' % ((os.cpu_count() or 1) * 1e6 / float(r['cpu_us_per_read'])):<9}")
     for poll, bell in zip(rows[::2], rows[1::2]):
         lines.append(f"conc {poll['concurrency']} batch {poll['batch']}: doorbell / poll req/s "
                      f"{float(bell['req_per_s']) / float(poll['req_per_s']):.3f}")
+    lines.append(f"CPU us/read: the daemons' and the engines' CPU per read, all three; bound: the reads/s "
+                 f"that leaves this machine's {os.cpu_count()} cores")
     lines.append("")
     lines.append("raw NIXL, the same reads posted by a process of its own (the ceiling; control_raw.py):")
     lines.append(f"{'conc':>5} {'req/s':>8} {'post call p50 us':>17} {'post->done p50 us':>18}")
