@@ -127,7 +127,8 @@ class Daemon:
                            asyncio.create_task(self.hs_server.watch_auth(self._on_refused_peer))]
         self.stall = StallWatch(time.monotonic())
         # its own loops: if one ends, `run` stops the daemon (only a defect ends one)
-        self.loops = (asyncio.create_task(self._progress()), asyncio.create_task(self._housekeeping()))
+        self._progressing = asyncio.create_task(self._progress())
+        self.loops = (self._progressing, asyncio.create_task(self._housekeeping()))
         self._tasks = list(self.loops)
         if cfg.metrics_port >= 0:
             self._http = await serve_http(self.recorder.metrics, cfg.metrics_host, cfg.metrics_port,
@@ -158,7 +159,8 @@ class Daemon:
         unlink_if_bound(self.unix_sock, self.cfg.socket_path)  # not a newer daemon's socket at that path
         told = self.reads.fail_all("shutdown", "the daemon is stopping")
         deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and (self.reads.quarantined or any(
+        # (the progress loop is what releases quarantined READs: not waited for once it ended)
+        while time.monotonic() < deadline and not self._progressing.done() and (self.reads.quarantined or any(
                 er.completions and not er.closing for er in told)):
             await asyncio.sleep(0.005)  # the progress loop polls NIXL; engines poll their failures
         if self.reads.quarantined:
@@ -623,10 +625,11 @@ async def run(cfg: Config, stop: asyncio.Event | None = None) -> None:
         await asyncio.wait([stopping, *daemon.loops], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
-        ended = [t for t in daemon.loops if t.done() and not t.cancelled()]
+        ended = [t for t in daemon.loops if t.done()]  # before `stop` cancels them
         await daemon.stop()
     if ended:
-        exc = ended[0].exception()
-        log.critical("a daemon loop ended: %r; stopped", exc, exc_info=exc)
-        raise LoopEnded(f"a daemon loop ended ({exc!r}); stopped, to be started again")
+        exc = None if ended[0].cancelled() else ended[0].exception()
+        why = "cancelled" if ended[0].cancelled() else repr(exc)
+        log.critical("a daemon loop ended (%s); stopped", why, exc_info=exc)
+        raise LoopEnded(f"a daemon loop ended ({why}); stopped, to be started again")
 

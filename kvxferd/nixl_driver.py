@@ -138,7 +138,7 @@ class NixlDriver:
         except Exception as exc:  # nixl raises its own typed exceptions
             raise TransferError(f"posting READ failed: {exc}") from exc
         if state == "ERR":
-            self.agent.release_xfer_handle(handle)
+            self.release(XferHandle(handle))  # one NIXL keeps is its own to free (its leak list)
             raise TransferError("posting READ failed: NIXL returned ERR")
         return XferHandle(handle)
 
@@ -153,7 +153,7 @@ class NixlDriver:
         except Exception as exc:
             raise TransferError(f"posting READ failed: {exc}") from exc
         if state == "ERR":
-            self.agent.release_xfer_handle(handle)
+            self.release(XferHandle(handle))  # one NIXL keeps is its own to free (its leak list)
             raise TransferError("posting READ failed: NIXL returned ERR")
         return XferHandle(handle)
 

@@ -558,19 +558,35 @@ class Reads:
                                        if block_ids is None else block_ids, why, 0, seconds))
         self._end(t)
 
+    def _fail_surely(self, t: Transfer, kind: FailureKind, reason: str) -> None:
+        """`_fail`, and out of flight even where a defect raises on the way (logged): a read left
+        half ended would hold its rank's slot, its claims and its engine's memory for good."""
+        try:
+            self._fail(t, kind, reason)
+        except Exception:
+            log.exception("read %s: ending it raised", t.msg.request_id)
+        if self._in_flight.get(t.key) is t:
+            t.done = True
+            try:
+                self._end(t)
+            except Exception:
+                log.exception("read %s: ending it raised again", t.msg.request_id)
+
     def _end(self, t: Transfer) -> None:
         """Out of flight; READs NIXL still runs keep the transfer (and its memory) in quarantine."""
         self._in_flight.pop(t.key, None)
-        if self._leases is not None and t.claims:
-            self._leases.release(t.claims, unread=not t.received)
-            t.claims = []
-        t.settle()
-        if t.running:
-            self._quarantine.append(t)
-            self._recorder.read_quarantined()
-        else:
-            self._gone(t)
-        self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+        try:
+            if self._leases is not None and t.claims:
+                self._leases.release(t.claims, unread=not t.received)
+                t.claims = []
+        finally:  # whatever the claims did, the READs are settled and the read counted once
+            t.settle()
+            if t.running:
+                self._quarantine.append(t)
+                self._recorder.read_quarantined()
+            else:
+                self._gone(t)
+            self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
     def _gone(self, t: Transfer) -> None:
         """Neither in flight nor quarantined: it no longer counts against its rank."""
@@ -581,13 +597,13 @@ class Reads:
 
     def fail_engine(self, er: EngineRank, why: str) -> None:
         for t in [t for t in self._in_flight.values() if t.engine is er]:
-            self._fail(t, "engine_gone", f"{why} during the transfer")
+            self._fail_surely(t, "engine_gone", f"{why} during the transfer")
 
     def fail_all(self, kind: FailureKind, why: str) -> set[EngineRank]:
         """Fail every read in flight; returns the engine ranks that were told."""
         told = {t.engine for t in self._in_flight.values()}
         for t in list(self._in_flight.values()):
-            self._fail(t, kind, why)
+            self._fail_surely(t, kind, why)
         return told
 
     @staticmethod
@@ -734,11 +750,14 @@ class Reads:
         for t in [t for t in self._in_flight.values() if t.unseen]:
             self._guarded_check(t, now)
         for t in list(self._quarantine):
-            t.release_ended()
-            if not t.running:
-                self._quarantine.remove(t)
-                self._gone(t)
-                self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+            try:
+                t.release_ended()
+                if not t.running:
+                    self._quarantine.remove(t)
+                    self._gone(t)
+                    self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
+            except Exception:  # a defect, logged: the reads after it still leave quarantine
+                log.exception("read %s: releasing it from quarantine raised", t.msg.request_id)
 
     def _guarded_check(self, t: Transfer, now: float) -> None:
         """`_check`, an exception no path expects (a defect) ending this read, as `internal`, and
@@ -747,7 +766,7 @@ class Reads:
             self._check(t, now)
         except Exception as exc:
             log.error("read %s: checking it raised", t.msg.request_id, exc_info=exc)
-            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
+            self._fail_surely(t, "internal", f"{type(exc).__name__}: {exc}")
 
     def _check(self, t: Transfer, now: float) -> None:
         try:

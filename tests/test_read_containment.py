@@ -1,24 +1,30 @@
 """What NIXL or a defect throws on the read path stays with one read (reads.py, postings.py).
 
 NIXL keeps a handle it was asked to release when it cannot cancel the transfer (its
-`release_xfer_handle` raises): such a posting stays the read's, as if still running, and is
-released later, never twice; and no handle is asked about once released (a use after free in
-NIXL). A read whose check raises what no path expects ends `internal`; the progress loop and the
-other reads go on. Neither can be caused on demand with real NIXL (it needs a transfer NIXL
-cannot cancel, or a defect), so NIXL's agent is stood in for here, at its Python API. And a
+`release_xfer_handle` raises): such a posting stays the read's, quarantined once the read ends,
+and is released on a later poll, never twice; and no handle is asked about once released (a use
+after free in NIXL). A read whose check raises what no path expects ends `internal`, one whose end
+raises is still ended once, and the other reads go on. Neither can be caused on demand with real
+NIXL (it needs a transfer NIXL cannot cancel, or a defect), so NIXL's agent is stood in for here,
+at its Python API. In real daemons: a progress loop whose poll raises goes on reading, and a
 daemon one of whose own loops ends anyway exits, failing, for its supervisor to start again.
 """
-
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 from kvxferd import protocol as P
+from kvxferd.benchmarks.control import SHAPE, _drive
+from kvxferd.benchmarks.harness import BenchEngine, daemons, environment
 from kvxferd.logs import Throttle
 from kvxferd.nixl_driver import NixlDriver
+from kvxferd.plan.models import build
 from kvxferd.postings import AgentRead
 from kvxferd.reads import Reads, Transfer
 from kvxferd.recorder import Recorder
@@ -27,7 +33,8 @@ from kvxferd.recorder import Recorder
 class Agent:
     """NIXL's agent API as `NixlDriver` calls it: handles by name, some refused release."""
 
-    def __init__(self, refuse: dict[str, int]) -> None:
+    def __init__(self, states: dict[str, str], refuse: dict[str, int]) -> None:
+        self.states = states  # handle -> what NIXL reports: DONE, PROC or ERR
         self.refuse = dict(refuse)  # handle -> how many releases NIXL still refuses
         self.freed: list[str] = []
         self.asked_after_free: list[str] = []
@@ -35,7 +42,7 @@ class Agent:
     def check_xfer_state(self, handle: str) -> str:
         if handle in self.freed:
             self.asked_after_free.append(handle)
-        return "DONE"
+        return self.states[handle]
 
     def release_xfer_handle(self, handle: str) -> None:
         assert handle not in self.freed, f"{handle} released twice"
@@ -59,20 +66,55 @@ def transfer(request_id: str, started: float = 1000.0) -> Transfer:
                     started + 30.0)
 
 
-def test_a_handle_nixl_keeps_stays_with_its_read_until_released_and_none_is_freed_twice():
-    agent = Agent(refuse={"b": 2})
-    nixl = driver(agent)
+def through_reads(states: dict[str, str], refuse: dict[str, int]) -> tuple[Reads, Transfer, Agent]:
+    """A read of three READs ("a", "b", "c") posted on NixlDriver over the stand-in agent."""
+    agent = Agent(states, refuse)
+    retired: list[str] = []  # the peers a failed READ retires (their routes handshake again)
+    peers = SimpleNamespace(routes={}, retire=lambda peer, why: retired.append(why))
+    reads = Reads(driver(agent), peers, Recorder(), 60.0, SimpleNamespace())
     t = transfer("r")
-    t.postings = [AgentRead(nixl, h) for h in ("a", "b", "c")]
-    assert t.poll()  # every READ DONE
-    t.release_all()
+    t.postings = [AgentRead(reads._nixl, h) for h in ("a", "b", "c")]
+    t.route = SimpleNamespace(peer=SimpleNamespace(takes_notices=False))  # notifications would ride the READs
+    reads._in_flight[t.key] = t
+    reads._per_rank[("decode", 0)] = 1
+    return reads, t, agent
+
+
+def test_a_done_read_whose_handle_nixl_keeps_is_received_quarantined_then_released_once():
+    reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={"b": 3})
+    reads.poll(1001.0)  # every READ DONE: told, released but "b" (refused, by `_end` too, and by the
+    # same poll's quarantine turn)
+    assert [c.status for c in t.engine.completions] == ["received"]
+    assert t.key not in reads._in_flight and reads.quarantined == 1 and [p.handle for p in t.postings] == ["b"]
     assert sorted(agent.freed) == ["a", "c"]
-    assert [p.handle for p in t.postings] == ["b"] and t.running  # kept: NIXL still has it
-    t.settle()  # as `_end` does: refused once more, so it stays (quarantined by the caller)
-    assert [p.handle for p in t.postings] == ["b"]
-    t.release_ended()  # the quarantine's turn: released now
-    assert not t.running and sorted(agent.freed) == ["a", "b", "c"]
+    reads.poll(1002.0)  # the quarantine's turn: released now, and the read no longer counts
+    assert reads.quarantined == 0 and not t.running and sorted(agent.freed) == ["a", "b", "c"]
+    assert reads._per_rank == {} and agent.asked_after_free == []
+    assert [c.status for c in t.engine.completions] == ["received"]  # no second completion
+
+
+def test_a_failed_read_whose_handle_nixl_keeps_is_quarantined_and_nothing_is_asked_after_its_free():
+    reads, t, agent = through_reads({"a": "DONE", "b": "ERR", "c": "DONE"}, refuse={"b": 3})
+    reads.poll(1001.0)  # raised out of the progress loop before, "a" and "c" left listed once released
+    (c,) = t.engine.completions
+    assert c.status == "failed" and "transfer" in c.reason and c.block_ids == [[1, 2]]
+    assert reads.quarantined == 1 and [p.handle for p in t.postings] == ["b"]
+    reads.poll(1002.0)
+    assert reads.quarantined == 0 and sorted(agent.freed) == ["a", "b", "c"] and reads._per_rank == {}
     assert agent.asked_after_free == []
+
+
+def test_a_read_whose_end_raises_is_still_ended_once():
+    reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={})
+
+    def broken(*args: object) -> None:
+        raise ValueError("a defect in the metrics")
+
+    reads._recorder.read_received = broken  # raises after the read is marked done, before `_end`
+    reads.poll(1001.0)
+    assert [c.status for c in t.engine.completions] == ["received"]  # told before the defect
+    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
+    assert sorted(agent.freed) == ["a", "b", "c"]
 
 
 class Raising:
@@ -119,7 +161,7 @@ def test_a_read_whose_check_raises_ends_internal_and_the_others_are_still_checke
     assert c.block_ids == [[1, 2]]
     assert fine.postings[0].checked == 1 and fine.key in reads._in_flight and not fine.engine.completions
     reads.poll(1002.0)
-    assert broken.postings == [] and fine.postings[0].checked == 2
+    assert fine.postings[0].checked == 2 and not broken.engine.completions[1:]
     assert reads._per_rank == {("decode", 0): 1}
 
 
@@ -145,3 +187,32 @@ def test_a_daemon_whose_loop_ends_exits_failing_rather_than_answer_without_progr
     assert "a daemon loop ended (RuntimeError('injected defect'))" in done.stderr
     assert "kvxferd stopped" in done.stderr  # stopped in order: socket unlinked, engines released
     assert not (tmp_path / "d.sock").exists()
+
+
+def test_a_poll_that_raises_is_logged_and_the_daemon_goes_on_reading(tmp_path):
+    """The progress loop outlives a `Reads.poll` that raises (its first 30 calls, in both real
+    daemons, injected at start through sitecustomize): the reads after it are all received."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        from kvxferd import reads
+        calls, poll = [0], reads.Reads.poll
+        def defect(self, now):
+            calls[0] += 1
+            if calls[0] <= 30:
+                raise RuntimeError("injected defect")
+            return poll(self, now)
+        reads.Reads.poll = defect
+    """))
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    with environment({"PYTHONPATH": path}), daemons(2) as (pd, dd):
+        geo = build(SHAPE, 1, 0)
+        p = BenchEngine(pd.socket, "p", geo)
+        d = BenchEngine(dd.socket, "d", geo)
+        host, port = p.side_channel.rsplit(":", 1)
+        # `_drive` asserts that every read came back `received`
+        _, latencies = asyncio.run(_drive(dd.socket, d.client.token, geo, host, int(port), 2, 10, 1,
+                                          (pd.socket, p.client.token)))
+        assert len(latencies) == 10 and dd.proc.poll() is None and pd.proc.poll() is None
+        d.close()
+        p.close()
+        log = Path(dd.log.name).read_text()
+    assert "polling reads failed" in log and "RuntimeError: injected defect" in log
