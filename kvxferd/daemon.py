@@ -160,7 +160,7 @@ class Daemon:
         told = self.reads.fail_all("shutdown", "the daemon is stopping")
         deadline = time.monotonic() + drain_s
         # (the progress loop is what releases quarantined READs: not waited for once it ended)
-        while time.monotonic() < deadline and not self._progressing.done() and (self.reads.quarantined or any(
+        while time.monotonic() < deadline and ((self.reads.quarantined and not self._progressing.done()) or any(
                 er.completions and not er.closing for er in told)):
             await asyncio.sleep(0.005)  # the progress loop polls NIXL; engines poll their failures
         if self.reads.quarantined:
@@ -621,15 +621,17 @@ async def run(cfg: Config, stop: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stopping = asyncio.ensure_future(stop.wait())
+    why = ""
     try:
         await asyncio.wait([stopping, *daemon.loops], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
-        ended = [t for t in daemon.loops if t.done()]  # before `stop` cancels them
+        ended = next((t for t in daemon.loops if t.done()), None)  # before `stop` cancels them
+        if ended is not None:  # said before stopping, which could raise too
+            exc = None if ended.cancelled() else ended.exception()
+            why = "cancelled" if ended.cancelled() else repr(exc)
+            log.critical("a daemon loop ended (%s); stopping", why, exc_info=exc)
         await daemon.stop()
-    if ended:
-        exc = None if ended[0].cancelled() else ended[0].exception()
-        why = "cancelled" if ended[0].cancelled() else repr(exc)
-        log.critical("a daemon loop ended (%s); stopped", why, exc_info=exc)
+    if why:
         raise LoopEnded(f"a daemon loop ended ({why}); stopped, to be started again")
 

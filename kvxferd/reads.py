@@ -57,6 +57,7 @@ from .deadline import until_deadline
 from .engines import EngineRank
 from .lanes import Lanes
 from .leases import RESTARTED, ClaimKey, Leases, claim_keys
+from .logs import Throttle
 from .nixl_driver import NixlDriver, TransferError
 from .notices import Notices
 from .peers import Link, Peer, Peers, Route
@@ -354,6 +355,7 @@ class Reads:
         self._on_posted = on_posted  # wakes the progress loop from its idle wait
         self._rate = 2e9  # bytes/s of recent large reads: when to expect a read to end
         self._tasks: set[asyncio.Task[None]] = set()  # handshakes, confirmations, audits under way
+        self._defects = Throttle(10.0)  # what is logged every poll while it lasts
 
     # --- start ----------------------------------------------------------------
     def check(self, er: EngineRank, msg: P.Read, also_new: int = 0) -> None:
@@ -396,7 +398,7 @@ class Reads:
         if route is not None and route.remote_tp == ref.tp_size:
             try:  # the common case: post right here, without a task or an await
                 if self._large(t.reads_on(route)):
-                    self._spawn(self._start_slow(t, ATTEMPTS))  # after the engine's answer (EARLY_CLAIM_BYTES)
+                    self._spawn(t, self._start_slow(t, ATTEMPTS))  # after the engine's answer (EARLY_CLAIM_BYTES)
                 else:
                     self._post(t, route)
                 attempts = 0
@@ -411,14 +413,21 @@ class Reads:
             if refused:
                 self._fail(t, "handshake", refused)
             else:
-                self._spawn(self._start_slow(t, attempts))
+                self._spawn(t, self._start_slow(t, attempts))
         self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
 
-    def _spawn(self, work: Coroutine[None, None, None]) -> None:
-        """A read's next step as a task, kept until it ends (the loop keeps only weak references)."""
-        task = asyncio.get_running_loop().create_task(work)
+    def _spawn(self, t: Transfer, work: Coroutine[None, None, None]) -> None:
+        """`t`'s next step as a task, kept until it ends (the loop keeps only weak references)."""
+        task = asyncio.get_running_loop().create_task(self._guarded(t, work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _guarded(self, t: Transfer, work: Coroutine[None, None, None]) -> None:
+        """`work`, what it raises ending `t` (a defect: as `internal`), not silently the task."""
+        try:
+            await work
+        except Exception as exc:
+            self._fail_on(t, exc)
 
     def may_dial(self, host: str, port: int) -> bool:
         """allowed_peers lets `host` be dialed: by a read, or by the claims an engine's
@@ -543,7 +552,21 @@ class Reads:
 
     def _fail(self, t: Transfer, kind: FailureKind, reason: str, block_ids: list[list[int]] | None = None) -> None:
         """The read failed: the engine learns which of its blocks hold no valid data (all of the
-        request's, unless an audit named the corrupt ones)."""
+        request's, unless an audit named the corrupt ones). Out of flight even where a defect
+        raises on the way (logged): a read left half ended would hold its rank's slot, its
+        claims and its engine's memory for good, and its request id could not be read again."""
+        try:
+            self._failed(t, kind, reason, block_ids)
+        except Exception:
+            log.exception("read %s: ending it raised", t.msg.request_id)
+        if self._in_flight.get(t.key) is t:  # a defect left it half ended (here or before)
+            t.done = True
+            try:
+                self._end(t)
+            except Exception:
+                log.exception("read %s: ending it raised again", t.msg.request_id)
+
+    def _failed(self, t: Transfer, kind: FailureKind, reason: str, block_ids: list[list[int]] | None) -> None:
         if t.done:
             return
         if t.told is not None:  # it heard `received`: its bytes are here and vouched for; its consumers hear too
@@ -552,25 +575,11 @@ class Reads:
         t.done = True
         seconds = time.monotonic() - t.started
         why = f"{kind}: {reason}"
-        self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
-            time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
         t.engine.complete(P.Completion(t.msg.request_id, "failed", P.block_lists(t.msg.local_blocks)
                                        if block_ids is None else block_ids, why, 0, seconds))
+        self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
+            time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
         self._end(t)
-
-    def _fail_surely(self, t: Transfer, kind: FailureKind, reason: str) -> None:
-        """`_fail`, and out of flight even where a defect raises on the way (logged): a read left
-        half ended would hold its rank's slot, its claims and its engine's memory for good."""
-        try:
-            self._fail(t, kind, reason)
-        except Exception:
-            log.exception("read %s: ending it raised", t.msg.request_id)
-        if self._in_flight.get(t.key) is t:
-            t.done = True
-            try:
-                self._end(t)
-            except Exception:
-                log.exception("read %s: ending it raised again", t.msg.request_id)
 
     def _end(self, t: Transfer) -> None:
         """Out of flight; READs NIXL still runs keep the transfer (and its memory) in quarantine."""
@@ -579,7 +588,7 @@ class Reads:
             if self._leases is not None and t.claims:
                 self._leases.release(t.claims, unread=not t.received)
                 t.claims = []
-        finally:  # whatever the claims did, the READs are settled and the read counted once
+        finally:  # whatever releasing its claims did, its READs are settled and the read counted
             t.settle()
             if t.running:
                 self._quarantine.append(t)
@@ -597,13 +606,13 @@ class Reads:
 
     def fail_engine(self, er: EngineRank, why: str) -> None:
         for t in [t for t in self._in_flight.values() if t.engine is er]:
-            self._fail_surely(t, "engine_gone", f"{why} during the transfer")
+            self._fail(t, "engine_gone", f"{why} during the transfer")
 
     def fail_all(self, kind: FailureKind, why: str) -> set[EngineRank]:
         """Fail every read in flight; returns the engine ranks that were told."""
         told = {t.engine for t in self._in_flight.values()}
         for t in list(self._in_flight.values()):
-            self._fail_surely(t, kind, why)
+            self._fail(t, kind, why)
         return told
 
     @staticmethod
@@ -628,7 +637,7 @@ class Reads:
         if vouched:
             self._notify_and_finish(t)
         else:
-            self._spawn(self._deliver_confirmed(t))
+            self._spawn(t, self._deliver_confirmed(t))
 
     def _notify_and_finish(self, t: Transfer) -> None:
         t.notify_consumers(self._nixl, self._notices)
@@ -757,7 +766,9 @@ class Reads:
                     self._gone(t)
                     self._recorder.reads_now(len(self._in_flight), len(self._quarantine))
             except Exception:  # a defect, logged: the reads after it still leave quarantine
-                log.exception("read %s: releasing it from quarantine raised", t.msg.request_id)
+                if self._defects.due("quarantine"):
+                    log.exception("read %s: releasing it from quarantine raised (logged at most every %g s)",
+                                  t.msg.request_id, self._defects.every_s)
 
     def _guarded_check(self, t: Transfer, now: float) -> None:
         """`_check`, an exception no path expects (a defect) ending this read, as `internal`, and
@@ -766,7 +777,7 @@ class Reads:
             self._check(t, now)
         except Exception as exc:
             log.error("read %s: checking it raised", t.msg.request_id, exc_info=exc)
-            self._fail_surely(t, "internal", f"{type(exc).__name__}: {exc}")
+            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
 
     def _check(self, t: Transfer, now: float) -> None:
         try:
@@ -792,7 +803,7 @@ class Reads:
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
             t.release_all()
             if t.audit:
-                self._spawn(self._audit(t))
+                self._spawn(t, self._audit(t))
             else:
                 self._deliver(t, vouched)
         elif now >= self._deadline(t, now):

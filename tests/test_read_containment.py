@@ -58,26 +58,66 @@ def driver(agent: Agent) -> NixlDriver:
     return nixl
 
 
+class Engine:
+    """An engine rank as `Reads` tells it: the completions it was handed."""
+
+    engine_id, tp_rank = "decode", 0
+
+    def __init__(self) -> None:
+        self.completions: list[P.Completion] = []
+
+    def complete(self, completion: P.Completion) -> None:
+        self.completions.append(completion)
+
+
 def transfer(request_id: str, started: float = 1000.0) -> Transfer:
-    er = SimpleNamespace(engine_id="decode", tp_rank=0, completions=[])
-    er.complete = er.completions.append
+    er = Engine()
     ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-" + request_id)
     return Transfer(er, P.Read("decode", 0, request_id, ref, 8, [[1, 2]], [[1, 2]], 30.0), None, 0.0, started,
                     started + 30.0)
 
 
-def through_reads(states: dict[str, str], refuse: dict[str, int]) -> tuple[Reads, Transfer, Agent]:
-    """A read of three READs ("a", "b", "c") posted on NixlDriver over the stand-in agent."""
+class Leases:
+    """The leases' answers as `Reads` asks them: vouched for at once, or once confirmed."""
+
+    def __init__(self, vouched: bool, release_raises: bool = False) -> None:
+        self.vouched, self.release_raises = vouched, release_raises
+        self.released: list[list[tuple[str, ...]]] = []
+
+    def covers(self, keys: object, done_at: float, agent: str, epoch: str) -> bool:
+        return self.vouched
+
+    async def confirm(self, keys: object, done_at: float, deadline: object, agent: str, epoch: str) -> str:
+        await asyncio.sleep(0)
+        return ""  # confirmed: the hold lived through the READs
+
+    def notified(self, claims: object, targets: object) -> None:
+        pass
+
+    def release(self, claims: list[tuple[str, ...]], unread: bool) -> None:
+        if self.release_raises:
+            raise ValueError("a defect in the claims' release")
+        self.released.append(claims)
+
+
+def through_reads(states: dict[str, str], refuse: dict[str, int], leases: Leases | None = None,
+                  requests: tuple[str, ...] = ("r",)) -> tuple[Reads, Transfer, Agent]:
+    """Reads of three READs each ("a", "b", "c" for the first) posted on NixlDriver over the
+    stand-in agent; the first is returned."""
     agent = Agent(states, refuse)
     retired: list[str] = []  # the peers a failed READ retires (their routes handshake again)
     peers = SimpleNamespace(routes={}, retire=lambda peer, why: retired.append(why))
-    reads = Reads(driver(agent), peers, Recorder(), 60.0, SimpleNamespace())
-    t = transfer("r")
-    t.postings = [AgentRead(reads._nixl, h) for h in ("a", "b", "c")]
-    t.route = SimpleNamespace(peer=SimpleNamespace(takes_notices=False))  # notifications would ride the READs
-    reads._in_flight[t.key] = t
-    reads._per_rank[("decode", 0)] = 1
-    return reads, t, agent
+    reads = Reads(driver(agent), peers, Recorder(), 60.0, SimpleNamespace(), leases=leases)
+    for i, request_id in enumerate(requests):
+        t = transfer(request_id)
+        t.postings = [AgentRead(reads._nixl, h + str(i or "")) for h in ("a", "b", "c")]
+        # notifications would ride the READs; one target rank
+        t.route = SimpleNamespace(peer=SimpleNamespace(takes_notices=False, epoch=""), agent="p",
+                                  plan=SimpleNamespace(targets=[0]))
+        t.claims = [("prefill", "p-" + request_id, "0")]
+        reads._in_flight[t.key] = t
+    reads._per_rank[("decode", 0)] = len(requests)
+    return reads, reads._in_flight[("decode", 0, requests[0])], agent
 
 
 def test_a_done_read_whose_handle_nixl_keeps_is_received_quarantined_then_released_once():
@@ -114,6 +154,52 @@ def test_a_read_whose_end_raises_is_still_ended_once():
     reads.poll(1001.0)
     assert [c.status for c in t.engine.completions] == ["received"]  # told before the defect
     assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
+    assert sorted(agent.freed) == ["a", "b", "c"]
+
+
+def test_a_read_whose_claims_release_raises_is_still_settled_and_counted():
+    leases = Leases(vouched=True, release_raises=True)
+    reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={}, leases=leases)
+    reads.poll(1001.0)  # `_end` raises releasing the claims, after taking the read out of flight
+    assert [c.status for c in t.engine.completions] == ["received"]
+    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
+    assert sorted(agent.freed) == ["a", "b", "c"] and agent.asked_after_free == []
+
+
+def test_shutdown_fails_every_read_even_where_a_defect_raises_on_the_way():
+    states = {h + str(i or ""): "PROC" for h in "abc" for i in range(3)}
+    reads, _, _ = through_reads(states, refuse={}, requests=("r0", "r1", "r2"))
+    ts = list(reads._in_flight.values())
+
+    def broken(*args: object) -> None:
+        raise ValueError("a defect in the metrics")
+
+    reads._recorder.read_failed = broken  # raises after the engine is told, for every read
+    reads.fail_all("shutdown", "the daemon is stopping")  # the first raise ended the loop before
+    for r in ts:
+        assert [(c.status, c.request_id) for c in r.engine.completions] == [("failed", r.msg.request_id)]
+        assert "shutdown" in r.engine.completions[0].reason and r.engine.completions[0].block_ids == [[1, 2]]
+    assert reads._in_flight == {} and reads.quarantined == 3  # the READs still run: memory kept
+
+
+def test_a_confirmed_read_whose_end_raises_in_its_task_is_still_ended_once():
+    async def main() -> tuple[Reads, Transfer, Agent]:
+        reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={},
+                                        leases=Leases(vouched=False))
+
+        def broken(*args: object) -> None:
+            raise ValueError("a defect in the metrics")
+
+        reads._recorder.read_received = broken  # raises in the confirmation's task, after `done`
+        reads.poll(1001.0)  # DONE, not vouched: the confirmation runs as a task
+        assert not t.engine.completions and t.key in reads._in_flight
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return reads, t, agent
+
+    reads, t, agent = asyncio.run(main())
+    assert [c.status for c in t.engine.completions] == ["received"]
+    assert t.key not in reads._in_flight and reads._per_rank == {} and reads.quarantined == 0
     assert sorted(agent.freed) == ["a", "b", "c"]
 
 
