@@ -418,15 +418,14 @@ class Reads:
 
     def _spawn(self, t: Transfer, work: Coroutine[None, None, None]) -> None:
         """`t`'s next step as a task, kept until it ends (the loop keeps only weak references)."""
-        task = asyncio.get_running_loop().create_task(self._guarded(t, work))
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._spawned_ended, t))
 
-    async def _guarded(self, t: Transfer, work: Coroutine[None, None, None]) -> None:
-        """`work`, what it raises ending `t` (a defect: as `internal`), not silently the task."""
-        try:
-            await work
-        except Exception as exc:
+    def _spawned_ended(self, t: Transfer, task: asyncio.Task[None]) -> None:
+        """What a read's task raised ends the read (a defect: as `internal`), not silently the task."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None and isinstance(exc, Exception):
             self._fail_on(t, exc)
 
     def may_dial(self, host: str, port: int) -> bool:
@@ -526,7 +525,7 @@ class Reads:
         elif isinstance(exc, asyncio.TimeoutError):
             self._fail(t, "deadline", "deadline passed while waiting for the handshake")
         else:
-            log.error("read %s failed unexpectedly", t.msg.request_id, exc_info=exc)
+            log.error("read %s: unexpected error", t.msg.request_id, exc_info=exc)
             self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
 
     # --- end ------------------------------------------------------------------
