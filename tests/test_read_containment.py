@@ -120,6 +120,11 @@ def through_reads(states: dict[str, str], refuse: dict[str, int], leases: Leases
     return reads, reads._in_flight[("decode", 0, requests[0])], agent
 
 
+def metrics_defect(*args: object) -> None:
+    """A recorder method with a defect: it raises whatever it is given."""
+    raise ValueError("a defect in the metrics")
+
+
 def test_a_done_read_whose_handle_nixl_keeps_is_received_quarantined_then_released_once():
     reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={"b": 3})
     reads.poll(1001.0)  # every READ DONE: told, released but "b" (refused, by `_end` too, and by the
@@ -147,10 +152,7 @@ def test_a_failed_read_whose_handle_nixl_keeps_is_quarantined_and_nothing_is_ask
 def test_a_read_whose_end_raises_is_still_ended_once():
     reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={})
 
-    def broken(*args: object) -> None:
-        raise ValueError("a defect in the metrics")
-
-    reads._recorder.read_received = broken  # raises after the read is marked done, before `_end`
+    reads._recorder.read_received = metrics_defect  # raises after the read is marked done, before `_end`
     reads.poll(1001.0)
     assert [c.status for c in t.engine.completions] == ["received"]  # told before the defect
     assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
@@ -171,10 +173,7 @@ def test_shutdown_fails_every_read_even_where_a_defect_raises_on_the_way():
     reads, _, _ = through_reads(states, refuse={}, requests=("r0", "r1", "r2"))
     ts = list(reads._in_flight.values())
 
-    def broken(*args: object) -> None:
-        raise ValueError("a defect in the metrics")
-
-    reads._recorder.read_failed = broken  # raises after the engine is told, for every read
+    reads._recorder.read_failed = metrics_defect  # raises after the engine is told, for every read
     reads.fail_all("shutdown", "the daemon is stopping")  # the first raise ended the loop before
     for r in ts:
         assert [(c.status, c.request_id) for c in r.engine.completions] == [("failed", r.msg.request_id)]
@@ -187,10 +186,7 @@ def test_a_confirmed_read_whose_end_raises_in_its_task_is_still_ended_once():
         reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={},
                                         leases=Leases(vouched=False))
 
-        def broken(*args: object) -> None:
-            raise ValueError("a defect in the metrics")
-
-        reads._recorder.read_received = broken  # raises in the confirmation's task, after `done`
+        reads._recorder.read_received = metrics_defect  # raises in the confirmation's task, after `done`
         reads.poll(1001.0)  # DONE, not vouched: the confirmation runs as a task
         assert not t.engine.completions and t.key in reads._in_flight
         for _ in range(5):
@@ -203,40 +199,32 @@ def test_a_confirmed_read_whose_end_raises_in_its_task_is_still_ended_once():
     assert sorted(agent.freed) == ["a", "b", "c"]
 
 
-class Raising:
-    """A posting whose state check raises what no path expects."""
+class Checked:
+    """A posting the loop checks, counting its checks: still running, or (`defect`) raising what no
+    path expects."""
 
     wakes_loop = False
 
-    def __init__(self) -> None:
-        self.checked = 0
+    def __init__(self, defect: bool) -> None:
+        self.defect, self.checked = defect, 0
 
     def ended(self) -> bool:
         self.checked += 1
-        raise KeyError("a defect")
-
-    def release_if_ended(self) -> bool:
-        return True  # nothing of NIXL's is left
-
-    def cancel(self) -> bool:
+        if self.defect:
+            raise KeyError("a defect")
         return False
 
+    def release_if_ended(self) -> bool:
+        return self.defect  # a defective one has nothing of NIXL's left; a running one stays
 
-class Running:
-    wakes_loop = False
-
-    def __init__(self) -> None:
-        self.checked = 0
-
-    def ended(self) -> bool:
-        self.checked += 1
+    def cancel(self) -> bool:
         return False
 
 
 def test_a_read_whose_check_raises_ends_internal_and_the_others_are_still_checked():
     reads = Reads(SimpleNamespace(), SimpleNamespace(routes={}), Recorder(), 60.0, SimpleNamespace())
     broken, fine = transfer("broken"), transfer("fine")
-    broken.postings, fine.postings = [Raising()], [Running()]
+    broken.postings, fine.postings = [Checked(defect=True)], [Checked(defect=False)]
     for t in (broken, fine):
         reads._in_flight[t.key] = t
     reads._per_rank[("decode", 0)] = 2
