@@ -770,13 +770,12 @@ class Reads:
                                   t.msg.request_id, self._defects.every_s)
 
     def _guarded_check(self, t: Transfer, now: float) -> None:
-        """`_check`, an exception no path expects (a defect) ending this read, as `internal`, and
-        not the progress loop that checks every other read."""
+        """`_check`, an exception no path expects (a defect) ending this read as the read path's
+        exceptions do (`_fail_on`: `internal`), not the progress loop that checks every other read."""
         try:
             self._check(t, now)
         except Exception as exc:
-            log.error("read %s: checking it raised", t.msg.request_id, exc_info=exc)
-            self._fail(t, "internal", f"{type(exc).__name__}: {exc}")
+            self._fail_on(t, exc)
 
     def _check(self, t: Transfer, now: float) -> None:
         try:

@@ -267,6 +267,7 @@ def render_leases(rows: list[dict[str, float | str]]) -> str:
 
 
 def render(rows: list[dict[str, float | str]]) -> str:
+    cores = os.cpu_count() or 1
     lines = [f"{'conc':>5} {'batch':>5} {'completions':>11} {'reqs':>6} {'req/s':>8} {'client p50/p99 us':>19} "
              f"{'rpc->post p50/p99 us':>22} {'rpc->done p50/p99 us':>22} {'CPU% prefill/decode/engines':>28} "
              f"{'CPU us/read (bound)':>19}"]
@@ -278,12 +279,12 @@ def render(rows: list[dict[str, float | str]]) -> str:
                      f"{r['rpc_to_completion_p50_us']:>11.0f}/{r['rpc_to_completion_p99_us']:<10.0f} "
                      f"{r['prefill_daemon_cpu_pct']:>12.0f}/{r['decode_daemon_cpu_pct']:.0f}/"
                      f"{r['engines_cpu_pct']:<10.0f} {r['cpu_us_per_read']:>9.0f} "
-                     f"{'(%.0f/s)' % ((os.cpu_count() or 1) * 1e6 / float(r['cpu_us_per_read'])):<9}")
+                     f"{'(%.0f/s)' % (cores * 1e6 / float(r['cpu_us_per_read'])):<9}")
     for poll, bell in zip(rows[::2], rows[1::2]):
         lines.append(f"conc {poll['concurrency']} batch {poll['batch']}: doorbell / poll req/s "
                      f"{float(bell['req_per_s']) / float(poll['req_per_s']):.3f}")
     lines.append(f"CPU us/read: the daemons' and the engines' CPU per read, all three; bound: the reads/s "
-                 f"that leaves this machine's {os.cpu_count()} cores")
+                 f"that leaves this machine's {cores} cores")
     lines.append("")
     lines.append("raw NIXL, the same reads posted by a process of its own (the ceiling; control_raw.py):")
     lines.append(f"{'conc':>5} {'req/s':>8} {'post call p50 us':>17} {'post->done p50 us':>18}")
