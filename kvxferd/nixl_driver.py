@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Literal, NewType
 
@@ -132,25 +132,22 @@ class NixlDriver:
     def read(self, local_handle: PreparedList, local_ids: np.ndarray, remote_handle: PreparedList,
              remote_ids: np.ndarray, notif: bytes) -> XferHandle:
         """Post a READ; returns the transfer handle. Raises TransferError if NIXL refuses it."""
-        try:
-            handle = self.agent.make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids, notif)
-            state = self.agent.transfer(handle)
-        except Exception as exc:  # nixl raises its own typed exceptions
-            raise TransferError(f"posting READ failed: {exc}") from exc
-        if state == "ERR":
-            self.release(XferHandle(handle))  # one NIXL keeps is its own to free (its leak list)
-            raise TransferError("posting READ failed: NIXL returned ERR")
-        return XferHandle(handle)
+        return self._post(lambda: self.agent.make_prepped_xfer("READ", local_handle, local_ids, remote_handle,
+                                                                remote_ids, notif))
 
     def read_rows(self, local: npt.NDArray[np.int64], local_mem: MemType, remote: npt.NDArray[np.int64],
                   remote_mem: MemType, peer: str) -> XferHandle:
         """Post a READ of explicit (N, 3) [addr, len, dev] rows, without prepared lists; no
         notification. Raises TransferError if NIXL refuses it."""
+        return self._post(lambda: self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_mem),
+                                                             self.agent.get_xfer_descs(remote, remote_mem), peer))
+
+    def _post(self, make: Callable[[], object]) -> XferHandle:
+        """The transfer `make` prepares, posted; TransferError (its handle released) if NIXL refuses it."""
         try:
-            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_mem),
-                                                self.agent.get_xfer_descs(remote, remote_mem), peer)
+            handle = make()
             state = self.agent.transfer(handle)
-        except Exception as exc:
+        except Exception as exc:  # nixl raises its own typed exceptions
             raise TransferError(f"posting READ failed: {exc}") from exc
         if state == "ERR":
             self.release(XferHandle(handle))  # one NIXL keeps is its own to free (its leak list)
