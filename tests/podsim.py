@@ -186,21 +186,31 @@ def isolate(stage: Path) -> None:
     sh("mount", "-t", "overlay", "overlay", "-o", f"lowerdir=/etc,upperdir={stage}/upper,workdir={stage}/work", "/etc")
     sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/run")
     sh("ip", "link", "set", "lo", "up")
-    for tree in sorted({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT}):
-        _make_reachable(tree)
+    _make_reachable({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT})
 
 
-def _make_reachable(tree: Path) -> None:
-    """Other uids must run this Python and read the repository: if an ancestor of `tree` is
-    closed to them (/root is 0700), cover it with a 0755 tmpfs holding `tree` alone."""
-    closed = next((a for a in reversed(tree.parents) if not os.stat(a).st_mode & stat.S_IXOTH), None)
-    if closed is None:
-        return
-    hold = Path(tempfile.mkdtemp(dir="/run"))
-    sh("mount", "--bind", str(tree), str(hold))
-    sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(closed))
-    tree.mkdir(parents=True)
-    sh("mount", "--move", str(hold), str(tree))
+def _make_reachable(trees: set[Path]) -> None:
+    """Other uids must run this Python (a virtual environment's and the one it was made from) and
+    read the repository: where an ancestor of some of them is closed to other uids (/root is
+    0700), cover that ancestor with a 0755 tmpfs holding those trees alone. Every tree under one
+    closed ancestor is moved into the same tmpfs: a tmpfs mounted for one tree would hide the
+    others (a virtual environment in /root beside pyenv's Python)."""
+    outermost = {t for t in trees if not any(o != t and o in t.parents for o in trees)}
+    by_closed: dict[Path, list[Path]] = {}
+    for tree in outermost:
+        closed = next((a for a in reversed(tree.parents) if not os.stat(a).st_mode & stat.S_IXOTH), None)
+        if closed is not None:
+            by_closed.setdefault(closed, []).append(tree)
+    for closed, held in by_closed.items():
+        holds = []
+        for tree in held:
+            hold = Path(tempfile.mkdtemp(dir="/run"))
+            sh("mount", "--bind", str(tree), str(hold))
+            holds.append((hold, tree))
+        sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(closed))
+        for hold, tree in holds:
+            tree.mkdir(parents=True)
+            sh("mount", "--move", str(hold), str(tree))
 
 
 def setup(spec: dict[str, Any]) -> None:
