@@ -43,6 +43,7 @@ class Family:
     group_bytes: tuple[int, ...] | None  # per cache group: bytes one block holds on a TP 1 rank, all layers
     model: str = ""  # tiny model family (kvxferd.lab.tiny_models); default: the name
     cached_tokens: int = 0  # the prefix a partial-hit test caches first; default 4 blocks
+    args: tuple[str, ...] = ()  # more `vllm serve` flags for every server of the world
 
 
 F32 = 4
@@ -73,8 +74,11 @@ FAMILIES = [
     # prefix caching on: mamba_cache_mode align (a state block per attention block, nulls before);
     # vLLM raises the attention block to 256 tokens here, so the cached prefix is two of those
     Family("gdn-align", "bfloat16", 32, True, False, False, None, model="gdn", cached_tokens=512),
-    # 4 layers of one 576-wide latent per token, blocks of 16 (vLLM CPU turns prefix caching off for MLA)
-    Family("mla", "float32", 16, False, False, True, (4 * 16 * 576 * F32,)),
+    # 4 layers of one 576-wide latent per token, blocks of 16 (vLLM CPU turns prefix caching off for MLA).
+    # CPU_MLA named: on a CPU with AMX vLLM picks AMX_MLA, which takes bfloat16 weights only and
+    # fails to start in float32 (docs/vllm.md, "AMX CPUs")
+    Family("mla", "float32", 16, False, False, True, (4 * 16 * 576 * F32,),
+           args=("--attention-backend", "CPU_MLA")),
 ]
 
 
@@ -107,7 +111,7 @@ class World:
             if family.heterogeneous else None
         self.metrics = {"b": self.db.metrics_address, "c": self.dc.metrics_address if self.dc else ""}
         common = dict(dtype=family.dtype, block_size=family.block_size, prefix_caching=family.prefix_caching,
-                      connector="kvxferd", args=["--num-gpu-blocks-override", str(KV_BLOCKS)])
+                      connector="kvxferd", args=["--num-gpu-blocks-override", str(KV_BLOCKS), *family.args])
         lease = {"lease_s": LEASE_S, "read_deadline_s": READ_DEADLINE_S}  # a refused read: hold ends by lease
         self.a = VllmServer(workdir, f"{family.name}-A", model, role="kv_producer", socket=self.da.socket,
                             cores="nobind", extra_config=lease, **common)

@@ -86,7 +86,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            from .cpu_tiles import request_amx_tiles
             from .worker import WorkerSide
+            if vllm_config.device_config.device_type == "cpu":
+                request_amx_tiles()  # before any forward; again if VLLM_PLUGINS left out our plugin
             self.worker = WorkerSide(self.options.socket, self.engine_id, get_tensor_model_parallel_rank(),
                                      self.tp_size, self.options.read_deadline_s, self.options.idle_wait_ms / 1e3)
         # When a step's orders leave (see bind_connector_metadata): before a CPU forward, which runs
