@@ -437,6 +437,8 @@ def demo(
                                help="synthetic (verifies every byte) or vllm (real vLLM prefill and decode "
                                     "through the router, compared with a single instance)."),
     repeat: int = typer.Option(4, "--repeat", help="vllm: times each prompt sentence is repeated (prompt length)."),
+    same_node: bool = typer.Option(False, "--same-node", help="Synthetic: one daemon for both engines (the "
+                                                              "node's daemon: reads between its own engines)."),
 ) -> None:
     """Two daemons and two engines on this machine: synthetic ones (every byte verified) or real vLLM."""
     if engine == "vllm":
@@ -451,10 +453,12 @@ def demo(
     if model not in PRESETS:
         fail(f"unknown model preset {model!r}; one of {sorted(PRESETS)}")
     shape = msgspec.structs.replace(PRESETS[model], num_blocks=num_blocks)
-    typer.echo(f"kvxferd demo: {model}, prefill TP {p_tp} -> decode TP {d_tp}, {requests} requests", err=True)
+    typer.echo(f"kvxferd demo: {model}, prefill TP {p_tp} -> decode TP {d_tp}, {requests} requests"
+               f"{', one daemon for both' if same_node else ''}", err=True)
     try:
         with typer.progressbar(length=requests, label="transferring", file=sys.stderr) as bar:
-            result = run_demo(shape, p_tp, d_tp, requests, max_tokens, hit_ratio, seed, progress=bar.update)
+            result = run_demo(shape, p_tp, d_tp, requests, max_tokens, hit_ratio, seed, progress=bar.update,
+                              same_node=same_node)
     except DemoError as exc:
         fail(f"demo failed: {exc}")
     s = result.summary()

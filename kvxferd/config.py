@@ -44,6 +44,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # `lanes` extra NIXL agents, each posting its slice from its own thread. 0: no lanes.
     lanes: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
     lane_split_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 16 << 20
+    # Threads copying a read between two engines of this daemon in host memory (copier.py);
+    # 0: one per core, at most 4.
+    copy_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake
@@ -104,7 +107,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         return f"{self.advertise_host or self.side_channel_host}:{self.side_channel_port}"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 (also as ::ffff:127.x) or "localhost"; anything else ("*", 0.0.0.0, ::,
     an interface or host name) may be reachable from the network."""
     host = host.strip().removeprefix("[").removesuffix("]")
@@ -119,11 +122,16 @@ def _is_loopback(host: str) -> bool:
     return ip.is_loopback
 
 
+def is_wildcard(host: str) -> bool:
+    """A bind address that listens on every interface ("*", 0.0.0.0, ::)."""
+    return host.strip().removeprefix("[").removesuffix("]") in ("*", "0.0.0.0", "::", "")
+
+
 def check_side_channel(cfg: Config) -> str | None:
     """Refuse a side channel reachable from the network without CurveZMQ keys (ConfigError,
     saying what to do), unless `side_channel_insecure` says so explicitly: then return the
     warning to log at start. Loopback, or Curve keys configured: None."""
-    if cfg.curve_secret_key_file or _is_loopback(cfg.side_channel_host):
+    if cfg.curve_secret_key_file or is_loopback(cfg.side_channel_host):
         return None
     where = f"{cfg.side_channel_host}:{cfg.side_channel_port or '<any port>'}"
     if cfg.side_channel_insecure:

@@ -34,7 +34,8 @@ import zmq.asyncio
 from . import __version__, integrity
 from . import handshake as hs
 from . import protocol as P
-from .config import Config
+from .config import Config, is_loopback, is_wildcard
+from .copier import Copier
 from .doorbell import ring_supported
 from .engines import EngineRank, Engines
 from .holds import Holds
@@ -46,7 +47,7 @@ from .metrics import serve_http
 from .nixl_driver import NixlDriver
 from .notices import Notices
 from .pace import SPIN, Pace, Wake
-from .peers import Peers
+from .peers import Peers, SelfPeer
 from .protocol import RequestError
 from .reads import Reads
 from .recorder import Recorder, RpcOutcome
@@ -104,14 +105,17 @@ class Daemon:
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
                            self.digester, self.audit_digester, cfg.max_holds_per_engine)
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes,
-                           cfg.max_plan_descriptors)
+                           cfg.max_plan_descriptors,
+                           SelfPeer(self._is_own_address, self.holds.answer_handshake, self.engines.serving))
+        self.copier = Copier(cfg.copy_threads)
         self.links = Links(self.zmq, self.curve)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
                              cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
         self.notices = Notices(self.links, self.recorder, self.nixl.name)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
                            cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
-                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S), self.notices)
+                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S), self.notices,
+                           self.copier)
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
@@ -188,6 +192,7 @@ class Daemon:
             # way) is closed here: `term` alone would wait for it, holding the stop until SIGKILL.
             self.zmq.destroy(linger=0)
             self.lanes.close()
+            self.copier.close()  # a copy still running writes memory this process keeps mapped
             self.stall.disarm()
         log.info("kvxferd stopped")
 
@@ -277,6 +282,17 @@ class Daemon:
             self.peers.forget_engine(er.key)  # its prepared lists go before its memory
             self.engines.release(er)
 
+    def _is_own_address(self, host: str, port: int) -> bool:
+        """`host:port` names this daemon's side channel: as advertised or bound, or on loopback
+        when it listens there (a read naming it is a same-node read, peers.py)."""
+        cfg = self.cfg
+        if port != cfg.side_channel_port or port == 0:
+            return False
+        host = host.strip().removeprefix("[").removesuffix("]")
+        if host in (cfg.advertise_host, cfg.side_channel_host):
+            return True
+        return is_loopback(host) and (is_loopback(cfg.side_channel_host) or is_wildcard(cfg.side_channel_host))
+
     def _answer_side_channel(self, req: hs.SideRequest) -> hs.SideReply | Awaitable[hs.SideReply] | None:
         now = time.monotonic()
         match req:
@@ -357,6 +373,7 @@ class Daemon:
         """Stop serving a rank: fail its reads, drop its holds; its memory goes once nothing uses it."""
         if not self.engines.close(er, why):
             return
+        self.peers.retire_local(er.engine_id, f"engine {er.engine_id} rank {er.tp_rank} closed here: {why}")
         self.reads.fail_engine(er, why)
         self.leases.forget_engine(er.key)
         # Readers may still be pulling held blocks: keep the memory until their leases end.

@@ -32,13 +32,17 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.build_info = Info("kvxferd_build", "kvxferd build information", registry=r)
         self.build_info.info({"version": __version__})
-        self.transfers = Counter("kvxferd_transfers", "Read requests finished, by peer engine and outcome",
-                                 ["peer", "outcome"], registry=r)
+        # lane: who moved the bytes (peers.py): nixl (a peer daemon's agent), copy or loop (an
+        # engine of this daemon: its memcpy, NIXL's loopback); none: failed before a route
+        self.transfers = Counter("kvxferd_transfers", "Read requests finished, by peer engine, lane and outcome",
+                                 ["peer", "lane", "outcome"], registry=r)
         self.transfer_failures = Counter("kvxferd_transfer_failures", "Failed reads by peer and reason",
                                          ["peer", "reason"], registry=r)
-        self.transfer_bytes = Counter("kvxferd_transfer_bytes", "Bytes read from peers", ["peer"], registry=r)
+        self.transfer_bytes = Counter("kvxferd_transfer_bytes", "Bytes read from peers, by peer and lane",
+                                      ["peer", "lane"], registry=r)
         self.transfer_seconds = Histogram("kvxferd_transfer_duration_seconds",
-                                          "Read call to completion, by peer and outcome", ["peer", "outcome"],
+                                          "Read call to completion, by peer, lane and outcome",
+                                          ["peer", "lane", "outcome"],
                                           buckets=_LATENCY, registry=r)
         self.read_post = Histogram("kvxferd_read_post_seconds", "Read RPC received to READs posted",
                                    buckets=_LATENCY, registry=r)

@@ -21,6 +21,17 @@ two engines behind one peer daemon are two Peers sharing one NIXL agent, and loa
 one's metadata adds its memory to what the agent could read, NIXL keeping the first's. So an
 agent is shared, not owned: it is removed (from the daemon's agent and the lanes') once no other
 Peer, live or retired, names it; retiring one engine's Peer leaves the others' reads alone.
+
+A remote engine registered with this daemon itself (two engines of one node, one daemon) is a
+local Peer: its handshake is this daemon's own answer, made in-process (no side-channel round
+trip, no metadata: NIXL refuses to load its own agent's), and its routes read by a lane of this
+daemon (`Lane`). Everything else about it (plan, holds, claims, notices, audit, liveness,
+retirement) is a remote peer's. It is retired as soon as its engine's rank closes here.
+
+    Lane   who moves the bytes                                 for
+    nixl   a NIXL READ from the peer daemon's agent (UCX)       another daemon
+    copy   this daemon's own memcpy between its two mappings   this daemon, host memory (copier.py)
+    loop   a NIXL READ naming this daemon's own agent          this daemon, GPU memory (UCX cuda_copy)
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -37,6 +49,7 @@ import zmq.asyncio
 
 from . import handshake as hs
 from . import protocol as P
+from .copier import Spans, spans
 from .deadline import until_deadline
 from .engines import EngineKey, EngineRank
 from .lanes import Lanes
@@ -52,6 +65,17 @@ log = logging.getLogger("kvxferd")
 PeerKey = tuple[str, str, int]  # (remote engine id, side-channel host, port)
 RouteKey = tuple[PeerKey, EngineKey]
 PREPARED_DESCRIPTORS_MAX = 1 << 23  # local + remote, per remote rank: above, reads post explicit rows
+Lane = Literal["nixl", "copy", "loop"]
+
+
+@dataclass(frozen=True)
+class SelfPeer:
+    """This daemon as the peer of its own engines: how a read's address is known to be ours,
+    its own handshake answer (holds.answer_handshake), and its serving ranks of an engine."""
+
+    is_address: Callable[[str, int], bool]
+    answer: Callable[[hs.HandshakeRequest], hs.HandshakeReply]
+    ranks: Callable[[str], list[EngineRank]]
 
 
 def over_budget(plan: RankPlan, max_descriptors: int) -> str:
@@ -94,6 +118,7 @@ class Peer:
     probing: bool = False
     retired: bool = False
     reason: RetireReason | None = None  # why it was retired
+    local: bool = False  # registered with this daemon itself: read by a lane of ours (module's doc)
 
     @property
     def takes_notices(self) -> bool:
@@ -134,6 +159,7 @@ class Link:
     remote_region_addr: np.ndarray
     remote_mem: MemType
     remote_device: int
+    remote_spans: Spans | None = None  # copy lane: the remote rank's mappings, which its rows must lie in
 
 
 @dataclass(eq=False)
@@ -150,12 +176,18 @@ class Route:
     remote_tp: int
     expected: int  # consumers of each remote rank's blocks: what the notification announces
     links: dict[int, Link]
+    lane: Lane = "nixl"
+    # a local peer's ranks read (this daemon maps their memory: it stays while a read uses it)
+    sources: tuple[EngineRank, ...] = ()
+    local_spans: Spans | None = None  # copy lane: the local rank's mappings
 
 
 class Peers:
     def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
-                 curve: hs.CurveKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27) -> None:
+                 curve: hs.CurveKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27,
+                 self_peer: SelfPeer | None = None) -> None:
         self._ctx = ctx
+        self._self = self_peer
         self._max_plan_descriptors = max_plan_descriptors
         self._nixl = nixl
         self._lanes = lanes
@@ -191,6 +223,10 @@ class Peers:
         return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
                               self._curve)
 
+    def is_self(self, host: str, port: int) -> bool:
+        """`host:port` is this daemon's own side channel (as it advertises it, or on loopback)."""
+        return self._self is not None and self._self.is_address(host, port)
+
     def ready(self) -> list[Peer]:
         """Live peers whose handshake is done (what liveness.py watches)."""
         return [p for p in self._peers.values() if p.ready.done()]
@@ -212,18 +248,26 @@ class Peers:
     async def _handshake(self, peer: Peer) -> None:
         t0 = time.perf_counter()
         try:
-            reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
-                                     self._nixl.name, self._curve)
+            if self._self is not None and self.is_self(peer.host, peer.port):
+                reply = self._self.answer(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, peer.engine_id, self._nixl.name))
+                if not reply.ok:
+                    raise hs.HandshakeError("refused", f"this daemon ({peer.address}): {reply.reason}")
+            else:
+                reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
+                                         self._nixl.name, self._curve)
             # A peer's geometry is checked, and its compatibility hash recomputed from it: the
             # hash the peer sent is not evidence of anything.
             ranks = {r.tp_rank: msgspec.structs.replace(r, compat_hash=hs.compat_hash(validate(r.geometry)))
                      for r in reply.ranks}
-            metadata = reply.all_metadata
-            if not metadata:
-                raise hs.HandshakeError("malformed", f"{peer.address} sent no NIXL metadata")
-            for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
-                peer.agent = self._nixl.add_peer(blob)
-            peer.metadata = metadata  # posting lanes load it on first use
+            if reply.agent == self._nixl.name:  # ourselves, by whichever address: no metadata to load
+                peer.agent, peer.local = self._nixl.name, True
+            else:
+                metadata = reply.all_metadata
+                if not metadata:
+                    raise hs.HandshakeError("malformed", f"{peer.address} sent no NIXL metadata")
+                for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
+                    peer.agent = self._nixl.add_peer(blob)
+                peer.metadata = metadata  # posting lanes load it on first use
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             peer.epoch, peer.heard, peer.notices, peer.serve = reply.epoch, time.monotonic(), reply.notices, reply.serve
             peer.used = peer.probed = peer.heard
@@ -264,10 +308,14 @@ class Peers:
                 raise PlanError(hs.explain_mismatch(er.geometry, peer.ranks[r].geometry))
             if why := hs.weights_mismatch(er.geometry, peer.ranks[r].geometry):
                 raise PlanError(why)
+        if peer.local:
+            return self._build_local(peer, er, wanted)
+        return self._build_nixl(peer, er, wanted)
+
+    def _build_nixl(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
+        """Plan `er` reading `peer` through NIXL; prepare the lists of every remote rank it reads."""
         t0 = time.perf_counter()
-        plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})  # counts, no arrays yet
-        if why := over_budget(plan, self._max_plan_descriptors):  # tiny pages over a huge cache: not built
-            raise PlanError(f"reading {peer.engine_id} for engine {er.engine_id} rank {er.tp_rank}: {why}")
+        plan = self._plan(peer, er, wanted)
         log.info("planned engine %s rank %d <- %s ranks %s in %.1f ms", er.engine_id, er.tp_rank,
                  peer.engine_id, list(plan.peers), (time.perf_counter() - t0) * 1e3)
         links: dict[int, Link] = {}
@@ -297,6 +345,39 @@ class Peers:
             self._release(links.values())
             raise
         return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
+
+    def _plan(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> RankPlan:
+        plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})  # counts, no arrays yet
+        if why := over_budget(plan, self._max_plan_descriptors):  # tiny pages over a huge cache: not built
+            raise PlanError(f"reading {peer.engine_id} for engine {er.engine_id} rank {er.tp_rank}: {why}")
+        return plan
+
+    def _build_local(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
+        """`er` reading another engine of this daemon: host memory by our copy (no lists to
+        prepare), GPU memory by a READ on our own agent (its lists prepared as for a peer)."""
+        assert self._self is not None
+        sources = {s.tp_rank: s for s in self._self.ranks(peer.engine_id) if s.epoch == peer.epoch}
+        if missing := [r for r in wanted if r not in sources]:
+            raise PlanError(f"engine {peer.engine_id} ranks {missing} are no longer registered with this daemon")
+        host = er.mem_type == "DRAM" and all(sources[r].mem_type == "DRAM" for r in wanted)
+        if not host:  # NIXL's own loopback: what it reads is what it registered
+            route = self._build_nixl(peer, er, wanted)
+            return Route(route.peer, route.agent, route.engine, route.plan, route.remote_tp, route.expected,
+                         route.links, "loop", tuple(sources[r] for r in wanted))
+        plan = self._plan(peer, er, wanted)
+        links = {rank: Link(None, None, region_addresses(peer.ranks[rank].geometry, peer.ranks[rank].buffer_addrs),
+                            "DRAM", 0, spans([(m.address, m.nbytes) for m in sources[rank].mappings]))
+                 for rank in plan.peers}
+        log.info("engine %s rank %d <- %s ranks %s on this daemon: copied by it", er.engine_id, er.tp_rank,
+                 peer.engine_id, list(plan.peers))
+        return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links, "copy",
+                     tuple(sources[r] for r in wanted), spans([(m.address, m.nbytes) for m in er.mappings]))
+
+    def retire_local(self, engine_id: str, why: str) -> None:
+        """A rank of `engine_id` closed here: the local Peers of that engine go at once, so the
+        next read handshakes again (and is refused while the engine is gone)."""
+        for peer in [p for p in self._peers.values() if p.local and p.engine_id == engine_id]:
+            self.retire(peer, why, "engine_gone")
 
     # --- retirement and release -----------------------------------------------
     def retire(self, peer: Peer, why: str, reason: RetireReason = "posting_failed") -> None:
@@ -340,7 +421,8 @@ class Peers:
             task.cancel()
         for route in [*self.routes.values(), *self._retired]:
             self._release(route.links.values())
-        for agent in {p.agent for p in [*self._peers.values(), *self._retired_peers] if p.agent}:
+        agents = {p.agent for p in [*self._peers.values(), *self._retired_peers] if p.agent}
+        for agent in agents - {self._nixl.name}:
             self._remove_agent(agent)
         self.routes.clear()
         self._retired.clear()
@@ -357,9 +439,10 @@ class Peers:
     # --- shared agents ----------------------------------------------------------
     def _drop_agent(self, peer: Peer) -> None:
         """`peer` (out of both collections) is done with its agent: removed unless another Peer of
-        the same daemon, live or retired, still names it."""
+        the same daemon, live or retired, still names it (never our own agent: a local Peer's)."""
         agent, peer.agent = peer.agent, ""
-        if agent and not any(p.agent == agent for p in [*self._peers.values(), *self._retired_peers]):
+        others = [*self._peers.values(), *self._retired_peers]
+        if agent and agent != self._nixl.name and not any(p.agent == agent for p in others):
             self._remove_agent(agent)
 
     def _remove_agent(self, agent: str) -> None:
@@ -382,5 +465,6 @@ class Peers:
         return [P.PeerStatus(p.engine_id, p.address, p.agent, wall - p.since if p.since else None,
                              p.handshake_s, sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks),
                              active(p), p.state, p.reason or "", p.epoch, now - p.heard if p.heard else None,
-                             now - p.used if p.used else None)
+                             now - p.used if p.used else None,
+                             sorted({r.lane for r in [*self.routes.values(), *self._retired] if r.peer is p}))
                 for p in [*self._peers.values(), *self._retired_peers]]

@@ -289,6 +289,9 @@ class PeerStatus(msgspec.Struct):
     epoch: str = ""  # the remote engine's registration ("": a daemon before epochs)
     heard_s: float | None = None  # since its side channel last answered (handshake or probe)
     idle_s: float | None = None  # since a read was last posted to it
+    # who moves its routes' bytes (peers.py): "nixl" (its daemon's agent, over UCX); for an
+    # engine of this daemon itself, "copy" (this daemon's memcpy) or "loop" (NIXL's loopback)
+    lanes: list[str] = []
 
 
 class ReadStatus(msgspec.Struct):

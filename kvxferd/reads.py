@@ -53,6 +53,7 @@ import numpy as np
 from . import handshake as hs
 from . import integrity
 from . import protocol as P
+from .copier import Copier
 from .deadline import until_deadline
 from .engines import EngineRank
 from .lanes import Lanes
@@ -150,6 +151,11 @@ class Transfer:
         return self.msg.remote.engine_id
 
     @property
+    def lane(self) -> str:
+        """Who moves its bytes (peers.Lane); "none" before it has a route."""
+        return self.route.lane if self.route is not None else "none"
+
+    @property
     def running(self) -> bool:
         """Something NIXL moves for this read may still be running."""
         return bool(self.postings)
@@ -173,7 +179,7 @@ class Transfer:
         return reading
 
     def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None],
-             notices: Notices | None) -> int:
+             notices: Notices | None, copier: Copier) -> int:
         """Post a READ per remote rank read (split across lanes when large, `on_sliced` running
         on the loop as each slice's post returns), notify the rest; returns notifications.
 
@@ -186,7 +192,7 @@ class Transfer:
         assert route is not None
         plan = route.plan
         reads, nbytes = reading.indices, reading.nbytes
-        split = self.split = lanes.slices(reading.total)
+        split = self.split = lanes.slices(reading.total) if route.lane == "nixl" else 0
         self.posted_at = time.monotonic()  # before the first slice: a lane may end it at once
         ref = self.msg.remote
         expected = route.expected
@@ -195,7 +201,15 @@ class Transfer:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
                 notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected)
-                if split:
+                if route.lane == "copy":  # this daemon maps both: its own copy (copier.py)
+                    pp, er = plan.peers[rank], self.engine
+                    assert route.local_spans is not None and link.remote_spans is not None
+                    self.postings.append(copier.post(
+                        local_rows(pp, lids, er.region_addr, er.device), route.local_spans,
+                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), link.remote_spans,
+                        on_sliced))
+                    self.notify_after.append(notif)
+                elif split:
                     self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
                                       split, on_sliced)
                     self.notify_after.append(notif)
@@ -221,7 +235,7 @@ class Transfer:
                 # refusal says that daemon instance is gone (StaleRoute: a fresh handshake, as a
                 # READ's refusal would). A notice goes to whichever daemon has the address now.
                 self._notify(unread, nixl, notices if reads else None)
-                if not reads and notices is not None:
+                if not reads and notices is not None and not route.peer.local:
                     # the peer's next READ on this endpoint waits for the NIXL notification's
                     # progress there (measured: 31-47 ms at its idle pace): ask for it now
                     notices.serve(route.peer, time.monotonic())
@@ -334,7 +348,9 @@ class Reads:
                  lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False,
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
                  max_per_rank: int = 4096, leases: Leases | None = None,
-                 pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None) -> None:
+                 pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None,
+                 copier: Copier | None = None) -> None:
+        self._copier = copier or Copier(1)  # same-node reads of host memory (copier.py)
         self._leases = leases
         self._notices = notices  # None: notifications ride on the READs, as to a daemon before notices
         self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
@@ -434,8 +450,9 @@ class Reads:
         return not self._refused(host, port)
 
     def _refused(self, host: str, port: int) -> str:
-        """Why allowed_peers forbids dialing `host`; "" when it may be dialed (or no list is set)."""
-        if not self._allowed:
+        """Why allowed_peers forbids dialing `host`; "" when it may be dialed (or no list is set,
+        or it is this daemon's own address: nothing is dialed)."""
+        if not self._allowed or self._peers.is_self(host, port):
             return ""
         why = self._refusals.get(host)
         if why is None:
@@ -474,7 +491,7 @@ class Reads:
             if early:
                 self._leases.flush()
         try:
-            notifications = t.post(reading, self._nixl, self._lanes, self._on_posted, self._notices)
+            notifications = t.post(reading, self._nixl, self._lanes, self._on_posted, self._notices, self._copier)
         except StaleRoute:  # nothing was read: the retry claims anew on its own route
             if self._leases is not None and t.read_claims:
                 self._leases.release(t.read_claims)
@@ -546,7 +563,7 @@ class Reads:
         self._tell(t)
         assert t.told is not None
         t.done = t.received = True
-        self._recorder.read_received(t.peer_label, t.nbytes, t.told.seconds, t.told_at - t.received_at)
+        self._recorder.read_received(t.peer_label, t.lane, t.nbytes, t.told.seconds, t.told_at - t.received_at)
         self._end(t)
 
     def _fail(self, t: Transfer, kind: FailureKind, reason: str, block_ids: list[list[int]] | None = None) -> None:
@@ -576,7 +593,7 @@ class Reads:
         why = f"{kind}: {reason}"
         t.engine.complete(P.Completion(t.msg.request_id, "failed", P.block_lists(t.msg.local_blocks)
                                        if block_ids is None else block_ids, why, 0, seconds))
-        self._recorder.read_failed(t.peer_label, kind, seconds, P.FailureRecord(
+        self._recorder.read_failed(t.peer_label, t.lane, kind, seconds, P.FailureRecord(
             time.time(), t.engine.engine_id, t.engine.tp_rank, t.msg.request_id, t.peer_label, why))
         self._end(t)
 
@@ -786,7 +803,7 @@ class Reads:
                 self._peers.retire(t.route.peer, str(exc))
             self._fail(t, "transfer", str(exc))
             return
-        if not done and t.route is not None and self._notices is not None:
+        if not done and t.route is not None and self._notices is not None and not t.route.peer.local:
             # Running once posted (not CMA's copy inside the post): it may need the peer's
             # progress (UCX over TCP, a new endpoint's wire-up), which that daemon gives when asked
             self._notices.serve(t.route.peer, now)
@@ -866,7 +883,8 @@ class Reads:
         return [*self._in_flight.values(), *self._quarantine]
 
     def uses_engine(self, er: EngineRank) -> int:
-        return sum(1 for t in self._transfers() if t.engine is er)
+        """Reads writing `er`'s memory, or reading it by a lane of this daemon (a local route)."""
+        return sum(1 for t in self._transfers() if t.engine is er or (t.route is not None and er in t.route.sources))
 
     def uses_route(self, route: Route) -> bool:
         return any(t.route is route for t in self._transfers())

@@ -41,16 +41,15 @@ RpcOutcome = Literal["ok", "error"]
 
 
 class _ReadSeries:
-    """One peer label's per-read series, looked up once (a `labels()` call costs ~2 us, and a
-    read touches four of them)."""
+    """One peer label's per-read series on one lane, looked up once (a `labels()` call costs
+    ~2 us, and a read touches four of them)."""
 
-    __slots__ = ("descriptors", "received", "received_bytes", "received_seconds")
+    __slots__ = ("received", "received_bytes", "received_seconds")
 
-    def __init__(self, m: Metrics, peer: str) -> None:
-        self.descriptors = m.descriptors.labels(peer)
-        self.received = m.transfers.labels(peer, "received")
-        self.received_seconds = m.transfer_seconds.labels(peer, "received")
-        self.received_bytes = m.transfer_bytes.labels(peer)
+    def __init__(self, m: Metrics, peer: str, lane: str) -> None:
+        self.received = m.transfers.labels(peer, lane, "received")
+        self.received_seconds = m.transfer_seconds.labels(peer, lane, "received")
+        self.received_bytes = m.transfer_bytes.labels(peer, lane)
 
 
 class Recorder:
@@ -63,7 +62,8 @@ class Recorder:
         self._rpc_to_completion: deque[float] = deque(maxlen=8192)
         self._nixl_post: deque[float] = deque(maxlen=8192)
         self._peer_labels: set[str] = set()
-        self._read_series: dict[str, _ReadSeries] = {}  # by peer label: at most PEER_LABELS + 1
+        self._read_series: dict[tuple[str, str], _ReadSeries] = {}  # by peer label and lane
+        self._descriptors: dict[str, Histogram] = {}  # by peer label: at most PEER_LABELS + 1
         # by (method, outcome): method names are the protocol's, a bounded set
         self._rpc_series: dict[tuple[str, RpcOutcome], tuple[Counter, Histogram]] = {}
         self._accept_failed = Throttle(1.0)
@@ -84,11 +84,11 @@ class Recorder:
             return peer
         return "other"
 
-    def _reads_of(self, peer: str) -> _ReadSeries:
+    def _reads_of(self, peer: str, lane: str) -> _ReadSeries:
         label = self._peer(peer)
-        series = self._read_series.get(label)
+        series = self._read_series.get((label, lane))
         if series is None:
-            series = self._read_series[label] = _ReadSeries(self.metrics, label)
+            series = self._read_series[label, lane] = _ReadSeries(self.metrics, label, lane)
         return series
 
     # --- engine connections ---------------------------------------------------
@@ -136,7 +136,11 @@ class Recorder:
             self.counters.split_reads += 1
             self.metrics.split_reads.inc()
             self.metrics.read_slices.inc(slices)
-        self._reads_of(peer).descriptors.observe(descriptors)
+        label = self._peer(peer)
+        histogram = self._descriptors.get(label)
+        if histogram is None:
+            histogram = self._descriptors[label] = self.metrics.descriptors.labels(label)
+        histogram.observe(descriptors)
         self.metrics.notifs_sent.inc(notifications)
         self.metrics.read_post.observe(since_rpc_s)
         self._rpc_to_post.append(since_rpc_s)
@@ -158,19 +162,19 @@ class Recorder:
         self._nixl_post.append(post_s)
         self.metrics.nixl_xfer.observe(transfer_s)
 
-    def read_received(self, peer: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
+    def read_received(self, peer: str, lane: str, nbytes: int, seconds: float, since_rpc_s: float) -> None:
         self.counters.received += 1
-        series = self._reads_of(peer)
+        series = self._reads_of(peer, lane)
         series.received.inc()
         series.received_seconds.observe(seconds)
         series.received_bytes.inc(nbytes)
         self._rpc_to_completion.append(since_rpc_s)
         self._reads.append((time.time(), nbytes))
 
-    def read_failed(self, peer: str, kind: FailureKind, seconds: float, failure: P.FailureRecord) -> None:
+    def read_failed(self, peer: str, lane: str, kind: FailureKind, seconds: float, failure: P.FailureRecord) -> None:
         self.counters.failed += 1
-        self.metrics.transfers.labels(self._peer(peer), "failed").inc()
-        self.metrics.transfer_seconds.labels(self._peer(peer), "failed").observe(seconds)
+        self.metrics.transfers.labels(self._peer(peer), lane, "failed").inc()
+        self.metrics.transfer_seconds.labels(self._peer(peer), lane, "failed").observe(seconds)
         self.metrics.transfer_failures.labels(self._peer(peer), kind).inc()
         self.failures.append(failure)
         log.warning("transfer failed: engine=%s rank=%d request=%s peer=%s reason=%s", failure.engine,

@@ -75,7 +75,7 @@ def test_metrics_pass_promtool_and_cover_peers(cluster):
         assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
     text = fetch(metrics_url(cluster, 1) + "/metrics")[1].decode()
     # per decode rank: 6 prompts x 4 ranks
-    assert 'kvxferd_transfers_total{outcome="received",peer="prefill"} 24.0' in text
+    assert 'kvxferd_transfers_total{lane="nixl",outcome="received",peer="prefill"} 24.0' in text
     assert 'kvxferd_transfer_failures_total{peer="missing-engine",reason="handshake"} 4.0' in text
     p_text = fetch(metrics_url(cluster, 0) + "/metrics")[1].decode()
     assert 'kvxferd_holds_total{outcome="expired"} 2.0' in p_text

@@ -96,7 +96,7 @@ def peers(n: int, reads_per_peer: int = 3) -> dict[str, Any]:
             for p in range(n):
                 for _ in range(reads_per_peer):
                     r.read_posted(f"peer-{p}", 16, 1, 1e-4)
-                    r.read_received(f"peer-{p}", 1 << 16, 1e-3, 1e-3)
+                    r.read_received(f"peer-{p}", "nixl", 1 << 16, 1e-3, 1e-3)
                 r.handshake_ran(f"peer-{p}", 0.01)
             t0 = time.perf_counter()
             body = r.metrics.render()

@@ -263,11 +263,13 @@ class DemoResult:
 
 
 class Cluster:
-    """Two daemons and two synthetic engines (prefill, decode), each in its own process."""
+    """Two daemons and two synthetic engines (prefill, decode), each in its own process; with
+    `same_node`, one daemon that both engines register with (`daemons[0] is daemons[1]`)."""
 
     def __init__(self, shape: ModelShape, p_tp: int, d_tp: int, p_shape: ModelShape | None = None,
                  workdir: str | None = None, metrics: bool = False, device: str = "cpu",
-                 daemon_args: Sequence[str] = (), daemons: Sequence[DaemonProcess] = ()) -> None:
+                 daemon_args: Sequence[str] = (), daemons: Sequence[DaemonProcess] = (),
+                 same_node: bool = False) -> None:
         """`daemons`: a prefill and a decode daemon already started (the cluster stops them)."""
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -281,8 +283,14 @@ class Cluster:
         self.engines: list[EngineProcess] = []
         port = 0 if metrics else -1
         try:
-            self.daemons = list(daemons) or [DaemonProcess(self.work, "prefill-daemon", port, daemon_args),
-                                             DaemonProcess(self.work, "decode-daemon", port, daemon_args)]
+            if daemons:
+                self.daemons = list(daemons)
+            elif same_node:
+                node = DaemonProcess(self.work, "node-daemon", port, daemon_args)
+                self.daemons = [node, node]
+            else:
+                self.daemons = [DaemonProcess(self.work, "prefill-daemon", port, daemon_args),
+                                DaemonProcess(self.work, "decode-daemon", port, daemon_args)]
             self.prefill = EngineProcess(self.daemons[0].socket, "prefill", self.p_shape, p_tp, device)
             self.engines.append(self.prefill)
             self.decode = EngineProcess(self.daemons[1].socket, "decode", shape, d_tp, device)
@@ -316,7 +324,7 @@ class Cluster:
     def close(self) -> None:
         for e in self.engines:
             e.close()
-        for d in self.daemons:
+        for d in dict.fromkeys(self.daemons):  # one daemon for both sides is stopped once
             d.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -331,11 +339,11 @@ class Cluster:
 def run_demo(shape: ModelShape, p_tp: int, d_tp: int, requests: int, max_tokens: int, hit_ratio: float,
              seed: int, workdir: str | None = None, progress: Callable[[int], object] | None = None,
              p_shape: ModelShape | None = None,
-             lease_s: float = 30.0, deadline_s: float = 30.0) -> DemoResult:
+             lease_s: float = 30.0, deadline_s: float = 30.0, same_node: bool = False) -> DemoResult:
     """Start everything, run `requests` prompts P -> D, verify every byte; raise DemoError on mismatch."""
     rng = np.random.default_rng(seed)
     result = DemoResult(requests, 0, 0, 0, 0.0, [], 0, {})
-    with Cluster(shape, p_tp, d_tp, p_shape, workdir) as cluster:
+    with Cluster(shape, p_tp, d_tp, p_shape, workdir, same_node=same_node) as cluster:
         for i in range(requests):
             num_tokens = int(rng.integers(1, max_tokens + 1))
             hit = 0

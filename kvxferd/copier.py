@@ -1,0 +1,159 @@
+"""The daemon's own copy between two engine ranks it maps: a same-node read of host memory.
+
+Both engines' KV memory is mapped in this process (engines.py), so a read between two engines
+of this daemon needs no transport: the plan's rows are copied from one mapping into the other.
+
+    rows: dst (local rank) [addr, len], src (the prefill rank) [addr, len], one per descriptor
+      -> every row checked inside its rank's mappings (NIXL checks its descriptors against the
+         registrations; a memmove checks nothing, so this does)
+      -> runs merged where both sides go on contiguously: one memmove per run
+      -> small: copied on the loop's thread at once (a thread's wake-up costs more)
+         large: split into `threads` parts of about equal bytes, one per pool thread
+         (ctypes.memmove runs without the GIL); the last part's end wakes the loop
+
+A copy cannot be cancelled once a thread runs it: a read that ends meanwhile keeps its
+posting (quarantined, its memory mapped) until the copy ends, as for a NIXL READ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import numpy.typing as npt
+
+from .nixl_driver import TransferError
+
+INLINE_BYTES = 256 << 10  # at most this much is copied on the loop's thread, in the post
+Spans = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # sorted mapping starts, and their ends
+
+
+def spans(buffers: Sequence[tuple[int, int]]) -> Spans:
+    """`(address, bytes)` of a rank's mappings, as `outside` takes them."""
+    ordered = sorted(buffers)
+    starts = np.array([a for a, _ in ordered], dtype=np.int64)
+    return starts, starts + np.array([n for _, n in ordered], dtype=np.int64)
+
+
+def outside(addr: npt.NDArray[np.int64], length: npt.NDArray[np.int64], within: Spans) -> int:
+    """How many rows `[addr, addr + length)` do not lie inside one of the spans."""
+    starts, ends = within
+    if not len(starts):
+        return len(addr)
+    i = np.searchsorted(starts, addr, side="right") - 1
+    inside = (i >= 0) & (length >= 0) & (addr + length <= ends[np.maximum(i, 0)])
+    return int(len(addr) - np.count_nonzero(inside))
+
+
+def merge_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64],
+               length: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], ...]:
+    """Rows that continue the row before on both sides joined into one: (dst, src, length)."""
+    if len(dst) <= 1:
+        return dst, src, length
+    continues = (dst[1:] == dst[:-1] + length[:-1]) & (src[1:] == src[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return dst[starts], src[starts], np.add.reduceat(length, starts)
+
+
+def _copy(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> float:
+    memmove = ctypes.memmove
+    for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
+        memmove(d, s, n)
+    return time.monotonic()
+
+
+class CopyRead:
+    """One remote rank's rows of a read, copied by this daemon (a `postings.Posting`)."""
+
+    wakes_loop = True
+    __slots__ = ("_ended_at", "parts", "posted")
+
+    def __init__(self, parts: list[Future[float]], posted: float, ended_at: float = 0.0) -> None:
+        self.parts, self.posted, self._ended_at = parts, posted, ended_at
+
+    def ended(self) -> bool:
+        if not all(p.done() for p in self.parts):
+            return False
+        for p in self.parts:
+            if p.cancelled():
+                raise TransferError("copy cancelled before it ran")
+            if (exc := p.exception()) is not None:
+                raise TransferError(f"copy failed: {exc}")
+        return True
+
+    def release_if_ended(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def release(self) -> bool:
+        return True
+
+    def timing(self) -> tuple[float, float] | None:
+        return None
+
+    def ended_at(self) -> float:
+        if self._ended_at:
+            return self._ended_at
+        if not self.parts or not all(p.done() and not p.cancelled() and p.exception() is None for p in self.parts):
+            return 0.0
+        return max(p.result() for p in self.parts)
+
+    def cancel(self) -> bool:
+        """Parts not started are dropped; True when none runs now (the rest ended)."""
+        for p in self.parts:
+            p.cancel()
+        return all(p.done() for p in self.parts)
+
+
+class Copier:
+    """The pool that copies same-node reads of host memory (owned by the daemon; one)."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads or max(1, min(4, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvxferd-copy")
+        self._lock = threading.Lock()
+
+    def post(self, dst_rows: npt.NDArray[np.int64], dst_spans: Spans, src_rows: npt.NDArray[np.int64],
+             src_spans: Spans, wake: Callable[[], None]) -> CopyRead:
+        """Copy `src_rows` into `dst_rows` (both (N, 3) [addr, len, dev], pairwise of one length);
+        `wake` runs on the loop once a copy on the pool ended. TransferError, before a byte
+        moves, for rows outside the mappings."""
+        if len(dst_rows) != len(src_rows) or not np.array_equal(dst_rows[:, 1], src_rows[:, 1]):
+            raise TransferError("copy: local and remote rows differ in count or length")
+        length = dst_rows[:, 1]
+        for side, rows, within in (("local", dst_rows, dst_spans), ("remote", src_rows, src_spans)):
+            if bad := outside(rows[:, 0], length, within):
+                raise TransferError(f"copy: {bad} {side} rows lie outside the engine's memory")
+        dst, src, length = merge_runs(dst_rows[:, 0], src_rows[:, 0], length)
+        posted = time.monotonic()
+        total = int(length.sum())
+        if total <= INLINE_BYTES or (self.threads == 1 and total <= 4 * INLINE_BYTES):
+            done: Future[float] = Future()
+            done.set_result(_copy(dst, src, length))
+            return CopyRead([done], posted)
+        edges = np.searchsorted(np.cumsum(length), np.arange(1, self.threads) * (total / self.threads))
+        parts = [(d, s, n) for d, s, n in zip(np.split(dst, edges), np.split(src, edges), np.split(length, edges))
+                 if len(d)]
+        futures = [self._pool.submit(_copy, d, s, n) for d, s, n in parts]
+        left = [len(futures)]
+        loop = asyncio.get_running_loop()
+
+        def part_done(_f: Future[float]) -> None:  # on a pool thread
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and not loop.is_closed():
+                loop.call_soon_threadsafe(wake)
+
+        for f in futures:
+            f.add_done_callback(part_done)
+        return CopyRead(futures, posted)
+
+    def close(self) -> None:
+        """Wait for the copies running (they write engine memory that is unmapped next)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,107 @@
+"""One daemon serving prefill and decode engines of its node (peers.py, local Peers; copier.py).
+
+Real daemon, real synthetic engines in their own processes: every read is checked byte for
+byte by the decode engine against what it would hold had it computed the cache itself. The
+daemon never handshakes with itself over its side channel, nor loads its own NIXL metadata:
+its routes to its own engines are copied by it (lane `copy`, host memory).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from kvxferd.client import RemoteRef
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess, run_demo
+from kvxferd.plan.models import PRESETS
+
+replace = msgspec.structs.replace
+SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
+BIG = replace(PRESETS["dense"], num_blocks=1024, layers=8, block_size=16)
+BIG_TOKENS = 16 * 1000  # ~260 MB per prompt over 4 ranks: the copy runs on the daemon's threads
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize(("preset", "p_tp", "d_tp"), [
+    ("dense", 2, 4), ("dense", 4, 2), ("mla", 1, 2), ("mamba2", 2, 1), ("gdn", 1, 2), ("gemma4", 2, 2),
+])
+def test_every_family_and_tp_moves_byte_exact_through_one_daemon(preset, p_tp, d_tp):
+    shape = replace(PRESETS[preset], num_blocks=128)
+    result = run_demo(shape, p_tp, d_tp, requests=6, max_tokens=150, hit_ratio=0.5, seed=3, same_node=True)
+    assert (result.received, result.failed) == (6, 0), result
+    assert result.released == {"sent": 6 * p_tp}, result.released
+
+
+def test_the_daemon_shows_its_own_lane_and_loads_no_metadata_of_its_own():
+    with Cluster(SHAPE, 2, 2, metrics=True, same_node=True) as c:
+        for seq in range(3):
+            out = c.transfer(seq, num_tokens=70, hit_tokens=16 if seq else 0)
+            assert out["status"] == "received" and out["released"] == ["sent", "sent"], out
+        st = c.status(0)
+        (peer,) = st.peers
+        assert (peer.engine, peer.agent, peer.lanes, peer.state) == ("prefill", st.agent, ["copy"], "ready")
+        assert st.totals.remote_agents == 0  # its own metadata never loaded as a peer's
+        d = c.daemons[0]
+        assert d.metric('kvxferd_transfers_total{lane="copy",outcome="received",peer="prefill"}') == 6
+
+
+def test_a_read_of_an_engine_the_daemon_does_not_have_is_refused_at_once():
+    with Cluster(SHAPE, 1, 1, same_node=True) as c:
+        remote = RemoteRef("no-such-engine", c.host, c.port, 1, "req-0")
+        c.decode.post_read(0, 40, remote, [list(range(3))], 0, 30.0)
+        (outcome,) = c.decode.wait_read(0, 40)
+        assert outcome[0] == "failed" and "not registered with this daemon" in outcome[2], outcome
+
+
+def test_a_hold_that_expired_fails_the_read_expired_and_the_next_one_is_received():
+    with Cluster(SHAPE, 1, 1, same_node=True) as c:
+        blocks = c.prefill.prefill(0, 40, 0.3)
+        assert c.prefill.wait_released(0, 10) == ["expired"]
+        c.decode.post_read(0, 40, c.remote(0), blocks, 0, 30.0)
+        (outcome,) = c.decode.wait_read(0, 40)
+        assert outcome[0] == "failed" and outcome[2].startswith("expired"), outcome
+        c.prefill.free(blocks)
+        out = c.transfer(1, num_tokens=40)
+        assert out["status"] == "received" and out["released"] == ["sent"], out
+
+
+def test_every_read_audited_against_the_holds_digests():
+    with Cluster(SHAPE, 2, 1, same_node=True, metrics=True, daemon_args=["--integrity-audit"]) as c:
+        for seq in range(3):
+            out = c.transfer(seq, num_tokens=90)
+            assert out["status"] == "received", out
+        assert c.daemons[0].metric('kvxferd_audits_total{outcome="ok"}') == 3
+
+
+def test_a_prefill_engine_killed_mid_copy_keeps_its_memory_until_the_copy_ends(tmp_path):
+    """The prefill engine dies while the daemon copies from its memory: the memory stays mapped
+    until no read uses it, the reads end (received: the bytes were there; or failed), nothing
+    crashes, and the node serves the next engines."""
+    d = DaemonProcess(tmp_path, "node")
+    with Cluster(BIG, 2, 4, daemons=[d, d]) as c:
+        blocks = c.prefill.prefill(0, BIG_TOKENS, 30.0)
+        c.decode.post_read(0, BIG_TOKENS, c.remote(0), blocks, 0, 60.0)
+        c.prefill.proc.kill()
+        outcomes = c.decode.wait_read(0, 70)
+        assert len(outcomes) == 4 and {o[0] for o in outcomes} <= {"received", "failed"}, outcomes
+        st = wait_for(lambda: (s := c.status(0)) and all(e.state == "closing" for e in s.engines
+                                                          if e.engine == "prefill") and s, 15, "prefill closing")
+        assert st.in_flight == [] and st.held == []
+        assert not [p for p in st.peers if p.state == "ready"]  # its local peer retired with it
+        c.prefill = EngineProcess(d.socket, "prefill", BIG, 2)
+        c.engines.append(c.prefill)
+        c.decode.drop(0)
+        out = c.transfer(1, num_tokens=37, hit_tokens=16)
+        assert out["status"] == "received" and out["released"] == ["sent", "sent"], out
+        assert d.proc.poll() is None
