@@ -154,11 +154,22 @@ def bench_data(
     page_kib: list[int] = typer.Option([], "--page-kib", help="Page sizes in KiB (repeatable); default 4 to 1024."),
     announce: bool = typer.Option(True, help="The decode engine announces each read (expect) before it, as "
                                              "vLLM's connector does; unannounced, a read's lease claim goes with it."),
+    same_node: bool = typer.Option(False, "--same-node", help="Both engines on one daemon: its copy and its "
+                                                              "NIXL loopback vs raw NIXL between two agents "
+                                                              "vs a gather of the same pages (host memory)."),
 ) -> None:
     """Throughput through kvxferd vs raw NIXL vs memcpy, pages of 4 KiB to 1 MiB."""
     from .benchmarks import dataplane
 
     pages = [k << 10 for k in page_kib] or list(dataplane.PAGE_SIZES)
+    if same_node:
+        if device != "cpu":
+            fail("--same-node measures host memory; GPU memory's same-node lane is NIXL's loopback")
+        from .benchmarks import samenode
+
+        same = samenode.run(pages, total_mib=mib, repeats=repeats, rounds=rounds)
+        typer.echo(json.dumps(same, indent=2) if as_json else samenode.render(same))
+        return
     rows = dataplane.run(pages, total_mib=mib, repeats=repeats, rounds=rounds, device=device, announce=announce)
     typer.echo(json.dumps(rows, indent=2) if as_json else dataplane.render(rows))
 

@@ -7,7 +7,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -47,6 +47,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Threads copying a read between two engines of this daemon in host memory (copier.py);
     # 0: one per core, at most 4.
     copy_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # Who moves a read between two engines of this daemon in host memory (peers.py): "copy" (its
+    # memcpy, the faster here: docs/benchmarks.md) or "loop" (a READ on its own NIXL agent).
+    # GPU memory always takes "loop".
+    host_lane: Literal["copy", "loop"] = "copy"
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

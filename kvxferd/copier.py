@@ -7,9 +7,9 @@ of this daemon needs no transport: the plan's rows are copied from one mapping i
       -> every row checked inside its rank's mappings (NIXL checks its descriptors against the
          registrations; a memmove checks nothing, so this does)
       -> runs merged where both sides go on contiguously: one memmove per run
-      -> small: copied on the loop's thread at once (a thread's wake-up costs more)
-         large: split into `threads` parts of about equal bytes, one per pool thread
-         (ctypes.memmove runs without the GIL); the last part's end wakes the loop
+      -> small (bytes and runs): copied on the loop's thread at once (a thread's wake-up costs more)
+         large: split into `threads` parts of about equal bytes (a long run cut inside), one per
+         pool thread (ctypes.memmove runs without the GIL); the last part's end wakes the loop
 
 A copy cannot be cancelled once a thread runs it: a read that ends meanwhile keeps its
 posting (quarantined, its memory mapped) until the copy ends, as for a NIXL READ.
@@ -30,7 +30,8 @@ import numpy.typing as npt
 
 from .nixl_driver import TransferError
 
-INLINE_BYTES = 256 << 10  # at most this much is copied on the loop's thread, in the post
+INLINE_BYTES = 256 << 10  # at most this much is copied on the loop's thread, in the post ...
+INLINE_RUNS = 64  # ... in at most this many memmove calls
 Spans = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # sorted mapping starts, and their ends
 
 
@@ -47,7 +48,8 @@ def outside(addr: npt.NDArray[np.int64], length: npt.NDArray[np.int64], within: 
     if not len(starts):
         return len(addr)
     i = np.searchsorted(starts, addr, side="right") - 1
-    inside = (i >= 0) & (length >= 0) & (addr + length <= ends[np.maximum(i, 0)])
+    # length <= end - addr, not addr + length <= end: no sum that could wrap
+    inside = (i >= 0) & (length >= 0) & (length <= ends[np.maximum(i, 0)] - addr)
     return int(len(addr) - np.count_nonzero(inside))
 
 
@@ -61,11 +63,29 @@ def merge_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64],
     return dst[starts], src[starts], np.add.reduceat(length, starts)
 
 
+def cut(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64],
+        most: int) -> tuple[npt.NDArray[np.int64], ...]:
+    """Runs longer than `most` bytes cut into pieces of at most `most` (so threads share one long run)."""
+    pieces = -(-length // most)
+    if not len(length) or int(pieces.max()) <= 1:
+        return dst, src, length
+    run = np.repeat(np.arange(len(length)), pieces)
+    within = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece index inside its run
+    offset = within * most
+    return dst[run] + offset, src[run] + offset, np.minimum(length[run] - offset, most)
+
+
 def _copy(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> float:
     memmove = ctypes.memmove
     for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
         memmove(d, s, n)
     return time.monotonic()
+
+
+def _failed(exc: Exception) -> Future[float]:
+    f: Future[float] = Future()
+    f.set_exception(exc)
+    return f
 
 
 class CopyRead:
@@ -132,16 +152,17 @@ class Copier:
         dst, src, length = merge_runs(dst_rows[:, 0], src_rows[:, 0], length)
         posted = time.monotonic()
         total = int(length.sum())
-        if total <= INLINE_BYTES or (self.threads == 1 and total <= 4 * INLINE_BYTES):
+        if (total <= INLINE_BYTES and len(length) <= INLINE_RUNS) or (self.threads == 1 and total <= 4 * INLINE_BYTES):
             done: Future[float] = Future()
             done.set_result(_copy(dst, src, length))
             return CopyRead([done], posted)
-        edges = np.searchsorted(np.cumsum(length), np.arange(1, self.threads) * (total / self.threads))
+        loop = asyncio.get_running_loop()  # before anything is submitted: nothing runs unowned
+        share = -(-total // self.threads)
+        dst, src, length = cut(dst, src, length, share)
+        edges = np.searchsorted(np.cumsum(length), np.arange(1, self.threads) * share)
         parts = [(d, s, n) for d, s, n in zip(np.split(dst, edges), np.split(src, edges), np.split(length, edges))
                  if len(d)]
-        futures = [self._pool.submit(_copy, d, s, n) for d, s, n in parts]
-        left = [len(futures)]
-        loop = asyncio.get_running_loop()
+        left = [len(parts)]
 
         def part_done(_f: Future[float]) -> None:  # on a pool thread
             with self._lock:
@@ -150,6 +171,14 @@ class Copier:
             if last and not loop.is_closed():
                 loop.call_soon_threadsafe(wake)
 
+        futures: list[Future[float]] = []
+        try:
+            for d, s, n in parts:
+                futures.append(self._pool.submit(_copy, d, s, n))
+        except RuntimeError as exc:  # the pool is shut down (the daemon stops): what runs is its read's
+            for f in futures:
+                f.cancel()
+            return CopyRead([*futures, _failed(exc)], posted)
         for f in futures:
             f.add_done_callback(part_done)
         return CopyRead(futures, posted)

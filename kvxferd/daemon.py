@@ -46,6 +46,7 @@ from .logs import Throttle
 from .metrics import serve_http
 from .nixl_driver import NixlDriver
 from .notices import Notices
+from .ownside import OwnSide
 from .pace import SPIN, Pace, Wake
 from .peers import Peers, SelfPeer
 from .protocol import RequestError
@@ -104,11 +105,12 @@ class Daemon:
         self.audit_digester = integrity.Digester("audit")  # peers' audits: apart, so neither starves the other
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
                            self.digester, self.audit_digester, cfg.max_holds_per_engine)
+        own = OwnSide(self._is_own_address, self._answer_side_channel)  # same-node reads: answered in-process
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes,
                            cfg.max_plan_descriptors,
-                           SelfPeer(self._is_own_address, self.holds.answer_handshake, self.engines.serving))
+                           SelfPeer(own, self.engines.serving, cfg.host_lane))
         self.copier = Copier(cfg.copy_threads)
-        self.links = Links(self.zmq, self.curve)
+        self.links = Links(self.zmq, self.curve, own)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
                              cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
         self.notices = Notices(self.links, self.recorder, self.nixl.name)
@@ -279,7 +281,7 @@ class Daemon:
     def _release_idle(self, now: float) -> None:
         self.peers.collect(self.reads.uses_route)
         for er in self.engines.idle(lambda e: bool(self.reads.uses_engine(e)), now):
-            self.peers.forget_engine(er.key)  # its prepared lists go before its memory
+            self.peers.forget_engine(er)  # its prepared lists go before its memory
             self.engines.release(er)
 
     def _is_own_address(self, host: str, port: int) -> bool:

@@ -49,12 +49,12 @@ import zmq.asyncio
 
 from . import handshake as hs
 from . import protocol as P
-from .copier import Spans, spans
 from .deadline import until_deadline
 from .engines import EngineKey, EngineRank
 from .lanes import Lanes
 from .memory import MemType
 from .nixl_driver import NixlDriver, PreparedList
+from .ownside import OwnSide
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
 from .plan.planner import PlanError, RankPlan, plan_rank, targets
@@ -70,12 +70,12 @@ Lane = Literal["nixl", "copy", "loop"]
 
 @dataclass(frozen=True)
 class SelfPeer:
-    """This daemon as the peer of its own engines: how a read's address is known to be ours,
-    its own handshake answer (holds.answer_handshake), and its serving ranks of an engine."""
+    """This daemon as the peer of its own engines: its side channel answered in-process
+    (ownside.py), its serving ranks of an engine, and the lane for host memory."""
 
-    is_address: Callable[[str, int], bool]
-    answer: Callable[[hs.HandshakeRequest], hs.HandshakeReply]
+    side: OwnSide
     ranks: Callable[[str], list[EngineRank]]
+    host_lane: Lane = "copy"  # host memory's lane ("copy" or "loop"); GPU memory's is "loop"
 
 
 def over_budget(plan: RankPlan, max_descriptors: int) -> str:
@@ -159,7 +159,7 @@ class Link:
     remote_region_addr: np.ndarray
     remote_mem: MemType
     remote_device: int
-    remote_spans: Spans | None = None  # copy lane: the remote rank's mappings, which its rows must lie in
+    source: EngineRank | None = None  # copy lane: the remote rank, an engine rank of this daemon
 
 
 @dataclass(eq=False)
@@ -171,7 +171,7 @@ class Route:
 
     peer: Peer
     agent: str  # the peer daemon's NIXL agent
-    engine: EngineKey
+    rank: EngineRank  # the local rank it reads for (not its key: a rank registered again is another)
     plan: RankPlan
     remote_tp: int
     expected: int  # consumers of each remote rank's blocks: what the notification announces
@@ -179,7 +179,10 @@ class Route:
     lane: Lane = "nixl"
     # a local peer's ranks read (this daemon maps their memory: it stays while a read uses it)
     sources: tuple[EngineRank, ...] = ()
-    local_spans: Spans | None = None  # copy lane: the local rank's mappings
+
+    @property
+    def engine(self) -> EngineKey:
+        return self.rank.key
 
 
 class Peers:
@@ -204,28 +207,44 @@ class Peers:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new.
         `deadline()`: the read's deadline now (a pause of this daemon moves it on)."""
         route = self.routes.get((peer_key(ref), er.key))
-        if route is not None and route.remote_tp == ref.tp_size:
+        if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             return route
         peer = await self._peer(ref, deadline)
+        if peer.retired:  # while this read waited (its engine closed here, or it went silent)
+            raise PlanError(f"remote engine {ref.engine_id} at {peer.address} went away ({peer.reason}) "
+                            "as its handshake ended")
         if peer.tp_size != ref.tp_size:
             raise PlanError(f"remote engine {ref.engine_id} runs TP {peer.tp_size}, the request says {ref.tp_size}")
         route = self.routes.get((peer.key, er.key))
+        if route is not None and route.rank is not er:  # its rank's predecessor's: kept for its reads
+            self._retired[self.routes.pop((peer.key, er.key))] = route.peer
+            route = None
         if route is None:
             route = self.routes[(peer.key, er.key)] = self._build(peer, er)
         return route
 
     async def audit(self, ref: P.RemoteRef, req: hs.AuditRequest, timeout_s: float) -> hs.AuditReply:
         """Ask the peer's side channel for the digests of rows a read took from it."""
+        if self._self is not None and self.is_self(ref.host, ref.port):
+            reply = await self._self.side.ask(req)
+            if not isinstance(reply, hs.AuditReply):
+                raise hs.HandshakeError("malformed", f"this daemon answered an audit with {type(reply).__name__}")
+            return reply
         return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._curve)
 
     async def probe(self, peer: Peer, timeout_s: float) -> hs.ProbeReply:
         """Ask the peer's side channel whether its engine is still registered, and as which epoch."""
+        if self._self is not None and peer.local:
+            reply = await self._self.side.ask(hs.ProbeRequest(hs.HANDSHAKE_VERSION, peer.engine_id))
+            if not isinstance(reply, hs.ProbeReply):
+                raise hs.HandshakeError("malformed", f"this daemon answered a probe with {type(reply).__name__}")
+            return reply
         return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
                               self._curve)
 
     def is_self(self, host: str, port: int) -> bool:
         """`host:port` is this daemon's own side channel (as it advertises it, or on loopback)."""
-        return self._self is not None and self._self.is_address(host, port)
+        return self._self is not None and self._self.side.is_address(host, port)
 
     def ready(self) -> list[Peer]:
         """Live peers whose handshake is done (what liveness.py watches)."""
@@ -248,18 +267,30 @@ class Peers:
     async def _handshake(self, peer: Peer) -> None:
         t0 = time.perf_counter()
         try:
-            if self._self is not None and self.is_self(peer.host, peer.port):
-                reply = self._self.answer(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, peer.engine_id, self._nixl.name))
+            local = self._self is not None and self.is_self(peer.host, peer.port)
+            if local:
+                assert self._self is not None
+                answer = await self._self.side.ask(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, peer.engine_id,
+                                                                       self._nixl.name))
+                if not isinstance(answer, hs.HandshakeReply):
+                    raise hs.HandshakeError("malformed", f"this daemon answered a handshake with {answer!r}")
+                reply = answer
                 if not reply.ok:
                     raise hs.HandshakeError("refused", f"this daemon ({peer.address}): {reply.reason}")
             else:
                 reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
                                          self._nixl.name, self._curve)
+            if not local and reply.agent == self._nixl.name:
+                # Our agent's name is no secret (every request of ours carries it): a peer that
+                # answers with it is this daemon under an address it does not know as its own, or
+                # one posing as it to have our own engines' memory copied for it
+                raise hs.HandshakeError("invalid", f"{peer.address} answered with this daemon's own NIXL agent: "
+                                                   "if it is this daemon, set advertise_host to that address")
             # A peer's geometry is checked, and its compatibility hash recomputed from it: the
             # hash the peer sent is not evidence of anything.
             ranks = {r.tp_rank: msgspec.structs.replace(r, compat_hash=hs.compat_hash(validate(r.geometry)))
                      for r in reply.ranks}
-            if reply.agent == self._nixl.name:  # ourselves, by whichever address: no metadata to load
+            if local:  # no metadata to load: NIXL reads our own registrations
                 peer.agent, peer.local = self._nixl.name, True
             else:
                 metadata = reply.all_metadata
@@ -344,7 +375,7 @@ class Peers:
         except Exception:
             self._release(links.values())
             raise
-        return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
+        return Route(peer, peer.agent, er, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
 
     def _plan(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> RankPlan:
         plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})  # counts, no arrays yet
@@ -359,19 +390,19 @@ class Peers:
         sources = {s.tp_rank: s for s in self._self.ranks(peer.engine_id) if s.epoch == peer.epoch}
         if missing := [r for r in wanted if r not in sources]:
             raise PlanError(f"engine {peer.engine_id} ranks {missing} are no longer registered with this daemon")
-        host = er.mem_type == "DRAM" and all(sources[r].mem_type == "DRAM" for r in wanted)
-        if not host:  # NIXL's own loopback: what it reads is what it registered
+        host = all(m.kind == "DRAM" for e in (er, *(sources[r] for r in wanted)) for m in e.mappings)
+        if not host or self._self.host_lane == "loop":  # NIXL's own loopback: it reads what it registered
             route = self._build_nixl(peer, er, wanted)
-            return Route(route.peer, route.agent, route.engine, route.plan, route.remote_tp, route.expected,
+            return Route(route.peer, route.agent, route.rank, route.plan, route.remote_tp, route.expected,
                          route.links, "loop", tuple(sources[r] for r in wanted))
         plan = self._plan(peer, er, wanted)
         links = {rank: Link(None, None, region_addresses(peer.ranks[rank].geometry, peer.ranks[rank].buffer_addrs),
-                            "DRAM", 0, spans([(m.address, m.nbytes) for m in sources[rank].mappings]))
+                            "DRAM", 0, sources[rank])
                  for rank in plan.peers}
         log.info("engine %s rank %d <- %s ranks %s on this daemon: copied by it", er.engine_id, er.tp_rank,
                  peer.engine_id, list(plan.peers))
-        return Route(peer, peer.agent, er.key, plan, peer.tp_size, plan.consumers_per_remote_rank, links, "copy",
-                     tuple(sources[r] for r in wanted), spans([(m.address, m.nbytes) for m in er.mappings]))
+        return Route(peer, peer.agent, er, plan, peer.tp_size, plan.consumers_per_remote_rank, links, "copy",
+                     tuple(sources[r] for r in wanted))
 
     def retire_local(self, engine_id: str, why: str) -> None:
         """A rank of `engine_id` closed here: the local Peers of that engine go at once, so the
@@ -406,11 +437,12 @@ class Peers:
         if released:
             self._changed()
 
-    def forget_engine(self, er: EngineKey) -> None:
-        """A local rank is being released: drop its routes (no read uses them any more)."""
-        for key in [k for k, r in self.routes.items() if r.engine == er]:
+    def forget_engine(self, er: EngineRank) -> None:
+        """A local rank is being released: drop its routes (no read uses them any more), not
+        those of a rank registered since under the same key."""
+        for key in [k for k, r in self.routes.items() if r.rank is er]:
             self._release(self.routes.pop(key).links.values())
-        for route in [r for r in self._retired if r.engine == er]:
+        for route in [r for r in self._retired if r.rank is er]:
             del self._retired[route]
             self._release(route.links.values())
 

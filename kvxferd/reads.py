@@ -53,7 +53,7 @@ import numpy as np
 from . import handshake as hs
 from . import integrity
 from . import protocol as P
-from .copier import Copier
+from .copier import Copier, Spans, spans
 from .deadline import until_deadline
 from .engines import EngineRank
 from .lanes import Lanes
@@ -106,6 +106,11 @@ class Reading:
     @property
     def total(self) -> int:
         return sum(self.nbytes.values())
+
+
+def host_spans(er: EngineRank) -> Spans:
+    """The host memory `er` maps now (none once released): where a copy's rows may lie."""
+    return spans([(m.address, m.nbytes) for m in er.mappings if m.kind == "DRAM"])
 
 
 class StaleRoute(Exception):
@@ -202,11 +207,12 @@ class Transfer:
                 link = route.links[rank]
                 notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected)
                 if route.lane == "copy":  # this daemon maps both: its own copy (copier.py)
-                    pp, er = plan.peers[rank], self.engine
-                    assert route.local_spans is not None and link.remote_spans is not None
+                    pp, er, source = plan.peers[rank], self.engine, link.source
+                    if source is None or source.closing:
+                        raise TransferError(f"engine {ref.engine_id} rank {rank} closed on this daemon")
                     self.postings.append(copier.post(
-                        local_rows(pp, lids, er.region_addr, er.device), route.local_spans,
-                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), link.remote_spans,
+                        local_rows(pp, lids, er.region_addr, er.device), host_spans(er),
+                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), host_spans(source),
                         on_sliced))
                     self.notify_after.append(notif)
                 elif split:
@@ -411,7 +417,7 @@ class Reads:
         ref = msg.remote
         route = self._routes.get(((ref.engine_id, ref.host, ref.port), (er.engine_id, er.tp_rank)))
         attempts = ATTEMPTS
-        if route is not None and route.remote_tp == ref.tp_size:
+        if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             try:  # the common case: post right here, without a task or an await
                 if self._large(t.reads_on(route)):
                     self._spawn(t, self._start_slow(t, ATTEMPTS))  # after the engine's answer (EARLY_CLAIM_BYTES)

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from . import handshake as hs
+from .ownside import OwnSide, SelfLink
 
 log = logging.getLogger("kvxferd")
 
@@ -176,15 +177,21 @@ class Link:
 
 
 class Links:
-    """The standing links, by peer daemon address."""
+    """The standing links, by peer daemon address; this daemon's own address, `own`, is answered
+    in-process (ownside.py)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, curve: hs.CurveKeys | None) -> None:
-        self._ctx, self._curve = ctx, curve
+    def __init__(self, ctx: zmq.asyncio.Context, curve: hs.CurveKeys | None, own: OwnSide | None = None) -> None:
+        self._ctx, self._curve, self._own = ctx, curve, own
         self._links: dict[tuple[str, int], Link] = {}
+        self._self_link: SelfLink | None = None
 
-    def to(self, host: str, port: int) -> Link:
+    def to(self, host: str, port: int) -> Link | SelfLink:
         """The link to a peer daemon; HandshakeError when MAX_LINKS links all have requests waiting
         (engines name the addresses their reads go to: they may name many)."""
+        if self._own is not None and self._own.is_address(host, port):
+            if self._self_link is None:
+                self._self_link = SelfLink(self._own.answer, f"{host}:{port}")
+            return self._self_link
         link = self._links.pop((host, port), None)
         if link is None:
             idle = None
@@ -198,8 +205,10 @@ class Links:
         self._links[(host, port)] = link  # to the end: the most recently used
         return link
 
-    def get(self, host: str, port: int) -> Link | None:
+    def get(self, host: str, port: int) -> Link | SelfLink | None:
         """The link to a peer daemon if one is open (none is opened)."""
+        if self._self_link is not None and self._own is not None and self._own.is_address(host, port):
+            return self._self_link
         return self._links.get((host, port))
 
     def close_idle(self, now: float) -> None:
@@ -216,3 +225,5 @@ class Links:
         for link in self._links.values():
             link.close()
         self._links.clear()
+        if self._self_link is not None:
+            self._self_link.close()

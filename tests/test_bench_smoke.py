@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvxferd.benchmarks import control, dataplane, framing, handshake, plan, step
+from kvxferd.benchmarks import control, dataplane, framing, handshake, plan, samenode, step
 from kvxferd.memory import create_shm
 
 
@@ -19,6 +19,14 @@ def test_bench_data_runs():
                                     "daemon_post_ms", "post_over_raw_post"))
     assert row["split_reads"] > 0  # 2 MiB in 1 MiB slices: the lanes pair split every read
     assert "16KiB" in dataplane.render([row])
+
+
+def test_bench_data_same_node_runs():
+    (row,) = samenode.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=2)
+    assert row["descriptors"] == 128
+    assert all(row[k] > 0 for k in ("copy_gb_s", "loop_gb_s", "raw_nixl_gb_s", "gather_gb_s", "copy_over_raw",
+                                    "loop_over_raw", "copy_of_gather"))
+    assert "16KiB" in samenode.render([row])
 
 
 def test_the_raw_baseline_reads_the_engines_own_pages():

@@ -105,3 +105,42 @@ def test_a_prefill_engine_killed_mid_copy_keeps_its_memory_until_the_copy_ends(t
         out = c.transfer(1, num_tokens=37, hit_tokens=16)
         assert out["status"] == "received" and out["released"] == ["sent", "sent"], out
         assert d.proc.poll() is None
+
+
+def test_a_peer_answering_with_this_daemons_own_agent_is_refused():
+    """A hostile prefill daemon answers a handshake with the decode daemon's own NIXL agent (no
+    secret: every request of ours names it), to have the decode daemon copy its own engines'
+    memory for it: refused, nothing read."""
+    import threading
+
+    import zmq
+
+    from kvxferd import handshake as hs
+
+    with Cluster(SHAPE, 1, 1) as c:
+        own_agent = c.status(1).agent
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REP)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sock.setsockopt(zmq.RCVTIMEO, 20000)
+
+        def impostor() -> None:
+            try:
+                sock.recv()
+                sock.send(hs.encode(hs.HandshakeReply(True, agent=own_agent, metadata=b"x", notices=4, serve=5)))
+            except zmq.ZMQError:
+                pass
+
+        thread = threading.Thread(target=impostor, daemon=True)
+        thread.start()
+        try:
+            remote = RemoteRef("prefill", "127.0.0.1", port, 1, "req-0")
+            c.decode.post_read(0, 40, remote, [list(range(3))], 0, 30.0)
+            (outcome,) = c.decode.wait_read(0, 40)
+            assert outcome[0] == "failed" and "this daemon's own NIXL agent" in outcome[2], outcome
+            st = c.status(1)
+            assert st.counters.received == 0 and st.peers == [], st.peers
+        finally:
+            thread.join(25)
+            sock.close(0)
+            ctx.term()

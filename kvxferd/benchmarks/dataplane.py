@@ -274,13 +274,17 @@ class Stream(NamedTuple):
 
 
 def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device: str = "cpu",
-                    raw_first: bool | None = None, announce: bool = True) -> Stream:
+                    raw_first: bool | None = None, announce: bool = True, scatter: bool = False,
+                    lane: str = "") -> Stream:
     """`repeats` requests through kvxferd. The decode engine learns of completions from its
     doorbell's records, and announces each read `ANNOUNCE_S` before it (`announce`), as the vLLM
     worker does (its prefill's holds are then vouched for before the READ ends, docs/reliability.md;
     unannounced, each read's lease claim travels with it). `raw_first` True / False: also `repeats` raw
     NIXL READs between the same two engines' memory, before / after kvxferd's (the speed of a
-    copy on this VM depends on the pages it lands on: only the same pages compare the two)."""
+    copy on this VM depends on the pages it lands on: only the same pages compare the two).
+    `scatter`: the prefill's blocks in a random order (no two of a read's pages adjacent on both
+    sides, as a cache in use has them), not 0..n-1 on both sides. `lane`: the lane the route must
+    have taken (RuntimeError otherwise: the figures would be another path's)."""
     shape = shape_for(page, n)
     # Each round's engines are new engines, with ids of their own (as vLLM's are at each start):
     # a registration under an id a daemon served before is a restart, its routes retired.
@@ -303,16 +307,17 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
         raw_times, raw_posts = raw_reads() if raw_first else ([], [])
         host, port = p.side_channel.rsplit(":", 1)
         blocks = [list(range(n))]
+        held = [np.random.default_rng(engines).permutation(n).tolist()] if scatter else blocks
         times: list[float] = []
         acks: list[float] = []
         for i in range(repeats + 2):
             remote = RemoteRef(prefill_id, host, int(port), 1, f"r{i}")
-            p.client.hold(f"r{i}", 300.0, blocks)  # what a prefill does first (untimed)
+            p.client.hold(f"r{i}", 300.0, held)  # what a prefill does first (untimed)
             if announce:  # as the request reaches the decode's scheduler, before its read (untimed)
                 d.client.expect(f"r{i}", remote)
                 time.sleep(ANNOUNCE_S)
             t0 = time.perf_counter()
-            d.client.read(f"r{i}", remote, n * 16, blocks, blocks, deadline_s=120)
+            d.client.read(f"r{i}", remote, n * 16, blocks, held, deadline_s=120)
             ack = time.perf_counter() - t0
             c = d.wait(f"r{i}")
             elapsed = time.perf_counter() - t0
@@ -320,6 +325,11 @@ def through_kvxferd(sockets: list[str], page: int, n: int, repeats: int, device:
             if i >= 2:  # the first reads include the handshake and descriptor preparation
                 times.append(elapsed)
                 acks.append(ack)
+        if lane:
+            with Client(sockets[1]) as client:
+                lanes = [peer.lanes for peer in client.status().peers if peer.engine == prefill_id]
+            if lanes != [[lane]]:
+                raise RuntimeError(f"the reads took lanes {lanes}, not {lane}")
         if raw_first is False:
             raw_times, raw_posts = raw_reads()
         return Stream(times, acks, raw_times, raw_posts)

@@ -1,0 +1,89 @@
+"""This daemon's own side channel, for reads between two engines registered with it.
+
+A same-node read (peers.py, a local Peer) asks what any read asks of the prefill's daemon (its
+handshake, lease claims, notices, audits, probes), but that daemon is this one: each request is
+answered in-process by the function that answers the side channel (`Daemon._answer_side_channel`),
+with no socket, no CurveZMQ key of its own to authorize, and no advertised address that must
+reach back (one behind NAT may not).
+
+    is_address(host, port)  the address a read names is this daemon's own
+    answer(request)         its reply (an audit's may be awaitable); None for a notice
+    SelfLink                a `sidelink.Link` of this daemon to itself: claims and notices in
+                            order, each answered on the next loop turn (or at `take_ready`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from . import handshake as hs
+
+Answer = Callable[[hs.SideRequest], hs.SideReply | Awaitable[hs.SideReply] | None]
+
+
+@dataclass(frozen=True)
+class OwnSide:
+    is_address: Callable[[str, int], bool]
+    answer: Answer
+
+    async def ask(self, req: hs.SideRequest) -> hs.SideReply:
+        """A request that is answered (handshake, audit, probe), answered here."""
+        reply = self.answer(req)
+        if reply is None:
+            raise hs.HandshakeError("invalid", f"no answer to a {req.__struct_config__.tag} request")
+        return await reply if not isinstance(reply, hs.SideReply) else reply
+
+
+class SelfLink:
+    """A link to this daemon's own side channel (see the module); the interface of `sidelink.Link`."""
+
+    def __init__(self, answer: Answer, address: str) -> None:
+        self.address = address
+        self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # never waits on a socket
+        self.used = time.monotonic()
+        self.malformed = 0
+        self._answer = answer
+        self._queue: deque[tuple[hs.SideRequest, asyncio.Future[hs.LeaseReply] | None]] = deque()
+
+    def ask(self, req: hs.LeaseRequest, timeout_s: float) -> asyncio.Future[hs.LeaseReply]:
+        fut: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
+        self._put(req, fut)
+        return fut
+
+    def tell(self, req: hs.NoticeRequest | hs.ServeRequest) -> None:
+        self._put(req, None)
+
+    def _put(self, req: hs.SideRequest, fut: asyncio.Future[hs.LeaseReply] | None) -> None:
+        """Answered after the caller's turn, as a reply off a socket would be: the caller's state
+        is settled before the answer changes the holds it reads."""
+        self.used = time.monotonic()
+        if not self._queue:
+            asyncio.get_running_loop().call_soon(self.take_ready)
+        self._queue.append((req, fut))
+
+    def take_ready(self) -> None:
+        """Answer every request waiting, in order."""
+        while self._queue:
+            req, fut = self._queue.popleft()
+            try:
+                reply = self._answer(req)
+            except Exception as exc:  # as the side channel's server does: one request's defect is its own
+                reply = hs.LeaseReply(False, f"internal error: {type(exc).__name__}: {exc}")
+            if fut is None or fut.done():
+                continue
+            if isinstance(reply, hs.LeaseReply):
+                fut.set_result(reply)
+            else:
+                fut.set_exception(hs.HandshakeError("invalid", f"this daemon answered a lease request with {reply!r}"))
+                fut.exception()
+
+    def close(self) -> None:
+        queued, self._queue = self._queue, deque()
+        for _, fut in queued:
+            if fut is not None and not fut.done():
+                fut.set_exception(hs.HandshakeError("unreachable", "this daemon is stopping"))
+                fut.exception()
