@@ -6,10 +6,14 @@ of this daemon needs no transport: the plan's rows are copied from one mapping i
     rows: dst (local rank) [addr, len], src (the prefill rank) [addr, len], one per descriptor
       -> every row checked inside its rank's mappings (NIXL checks its descriptors against the
          registrations; a memmove checks nothing, so this does)
-      -> runs merged where both sides go on contiguously: one memmove per run
+      -> runs merged where both sides go on contiguously
       -> small (bytes and runs): copied on the loop's thread at once (a thread's wake-up costs more)
          large: split into `threads` parts of about equal bytes (a long run cut inside), one per
-         pool thread (ctypes.memmove runs without the GIL); the last part's end wakes the loop
+         pool thread; the last part's end wakes the loop
+      -> each part: process_vm_readv on this process itself, IOV_MAX runs a call (the kernel's
+         loop, without the GIL: threads scale, where a memmove a row from Python spends ~1 us of
+         GIL per row; measured in docs/benchmarks.md, "Same node"); a memmove a run where the
+         call is refused (a seccomp profile without it)
 
 A copy cannot be cancelled once a thread runs it: a read that ends meanwhile keeps its
 posting (quarantined, its memory mapped) until the copy ends, as for a NIXL READ.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
 import threading
 import time
@@ -30,6 +35,7 @@ import numpy.typing as npt
 
 from .nixl_driver import TransferError
 
+IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
 INLINE_BYTES = 256 << 10  # at most this much is copied on the loop's thread, in the post ...
 INLINE_RUNS = 64  # ... in at most this many memmove calls
 Spans = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # sorted mapping starts, and their ends
@@ -75,9 +81,52 @@ def cut(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDAr
     return dst[run] + offset, src[run] + offset, np.minimum(length[run] - offset, most)
 
 
-def _copy(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> float:
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+def _process_vm_readv() -> Callable[..., int] | None:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_ssize_t
+    call.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+    return call
+
+
+_readv = _process_vm_readv()
+_readv_refused = False  # set once the kernel said no (EPERM under a seccomp profile, ENOSYS): memmove from then on
+
+
+def _iovecs(addr: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    out = np.empty((len(addr), 2), dtype=np.uint64)
+    out[:, 0], out[:, 1] = addr, length
+    return out
+
+
+def copy_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> float:
+    """Copy each run src -> dst; returns when it ended (monotonic). Every run lies inside memory
+    this process maps (checked by the caller): a short count is a defect, raised."""
+    global _readv_refused
+    at = 0
+    if _readv is not None and not _readv_refused:
+        local, remote, pid = _iovecs(dst, length), _iovecs(src, length), os.getpid()
+        for at in range(0, len(dst), IOV_MAX):
+            end = min(at + IOV_MAX, len(dst))
+            want = int(length[at:end].sum())
+            got = _readv(pid, local[at:end].ctypes.data, end - at, remote[at:end].ctypes.data, end - at, 0)
+            if got == want:
+                continue
+            err = ctypes.get_errno()
+            if got == -1 and err in (errno.EPERM, errno.ENOSYS) and at == 0:
+                _readv_refused = True
+                break
+            raise OSError(err, f"process_vm_readv copied {got} of {want} bytes: {os.strerror(err)}")
+        else:
+            return time.monotonic()
     memmove = ctypes.memmove
-    for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
+    for d, s, n in zip(dst[at:].tolist(), src[at:].tolist(), length[at:].tolist()):
         memmove(d, s, n)
     return time.monotonic()
 
@@ -154,7 +203,7 @@ class Copier:
         total = int(length.sum())
         if (total <= INLINE_BYTES and len(length) <= INLINE_RUNS) or (self.threads == 1 and total <= 4 * INLINE_BYTES):
             done: Future[float] = Future()
-            done.set_result(_copy(dst, src, length))
+            done.set_result(copy_runs(dst, src, length))
             return CopyRead([done], posted)
         loop = asyncio.get_running_loop()  # before anything is submitted: nothing runs unowned
         share = -(-total // self.threads)
@@ -174,7 +223,7 @@ class Copier:
         futures: list[Future[float]] = []
         try:
             for d, s, n in parts:
-                futures.append(self._pool.submit(_copy, d, s, n))
+                futures.append(self._pool.submit(copy_runs, d, s, n))
         except RuntimeError as exc:  # the pool is shut down (the daemon stops): what runs is its read's
             for f in futures:
                 f.cancel()

@@ -25,7 +25,7 @@ def test_bench_data_same_node_runs():
     (row,) = samenode.run(page_sizes=(16 << 10,), total_mib=2, repeats=2, rounds=2)
     assert row["descriptors"] == 128
     assert all(row[k] > 0 for k in ("copy_gb_s", "loop_gb_s", "raw_nixl_gb_s", "gather_gb_s", "copy_over_raw",
-                                    "loop_over_raw", "copy_of_gather"))
+                                    "loop_over_raw", "copy_of_memcpy", "readv_gb_s"))
     assert "16KiB" in samenode.render([row])
 
 
