@@ -442,7 +442,7 @@ def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_
             ids = np.arange(4, dtype=np.int32)
             return reads_mod.Reading({0: (ids, ids)}, {0: nbytes})
 
-        def post(self, reading, nixl, lanes, on_sliced, notices):
+        def post(self, reading, nixl, lanes, on_sliced, notices, copier):
             asked_before_post.append(len(asked))
             return 0  # nothing left running: the read finishes at once
 
@@ -452,7 +452,7 @@ def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_
         ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
         er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
                              complete=lambda c: None)
-        route = SimpleNamespace(remote_tp=1)
+        route = SimpleNamespace(remote_tp=1, rank=er, sources=())
 
         async def cached(ref, er, deadline):
             return route
@@ -519,7 +519,7 @@ def test_a_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch
             ids = np.arange(4, dtype=np.int32)
             return reads_mod.Reading({0: (ids, ids)}, {0: reads_mod.EARLY_CLAIM_BYTES})
 
-        def post(self, reading, nixl, lanes, on_sliced, notices):
+        def post(self, reading, nixl, lanes, on_sliced, notices, copier):
             self.postings.append(Done())  # the copy ran inside this call
             return 1
 
@@ -531,8 +531,8 @@ def test_a_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch
         completions: list[P.Completion] = []
         er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
                              complete=completions.append)
-        route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch=""),
-                                plan=SimpleNamespace(targets=(0,)))
+        route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False),
+                                plan=SimpleNamespace(targets=(0,)), rank=er, sources=())
 
         async def cached(ref, er, deadline):
             return route
