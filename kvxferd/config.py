@@ -51,6 +51,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # memcpy, the faster here: docs/benchmarks.md) or "loop" (a READ on its own NIXL agent).
     # GPU memory always takes "loop".
     host_lane: Literal["copy", "loop"] = "copy"
+    # Whose engines may read each other on this daemon: "same" uid only, or "any" (the daemon
+    # maps both engines' memory: across users, only this keeps one from copying the other's KV).
+    same_node_uids: Literal["same", "any"] = "same"
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

@@ -36,6 +36,9 @@ import numpy.typing as npt
 from .nixl_driver import TransferError
 
 IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
+# bytes per call: under Linux's MAX_RW_COUNT (2 GiB - 4 KiB) a call, and small enough that a read
+# that ended stops within one batch (`CopyRead.cancel`)
+CALL_BYTES = 64 << 20
 INLINE_BYTES = 256 << 10  # at most this much is copied on the loop's thread, in the post ...
 INLINE_RUNS = 64  # ... in at most this many memmove calls
 Spans = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # sorted mapping starts, and their ends
@@ -105,30 +108,55 @@ def _iovecs(addr: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> npt.N
     return out
 
 
-def copy_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]) -> float:
-    """Copy each run src -> dst; returns when it ended (monotonic). Every run lies inside memory
-    this process maps (checked by the caller): a short count is a defect, raised."""
+def _batches(length: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """[start, end) of consecutive runs, at most IOV_MAX runs and CALL_BYTES bytes each (every run
+    at most CALL_BYTES itself: `post` cuts longer ones)."""
+    ends = np.cumsum(length)
+    out, at = [], 0
+    while at < len(length):
+        before = int(ends[at - 1]) if at else 0
+        end = min(at + IOV_MAX, int(np.searchsorted(ends, before + CALL_BYTES, side="right")))
+        end = max(end, at + 1)
+        out.append((at, end))
+        at = end
+    return out
+
+
+def copy_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64],
+              stop: threading.Event | None = None) -> float:
+    """Copy each run src -> dst, a batch of runs a call; returns when it ended (monotonic). Every
+    run lies inside memory this process maps (checked by the caller): a short count is a defect,
+    raised. `stop` set (its read ended): no further batch starts (CopyStopped)."""
     global _readv_refused
-    at = 0
-    if _readv is not None and not _readv_refused:
-        local, remote, pid = _iovecs(dst, length), _iovecs(src, length), os.getpid()
-        for at in range(0, len(dst), IOV_MAX):
-            end = min(at + IOV_MAX, len(dst))
+    batches = _batches(length)
+    use_readv = _readv is not None and not _readv_refused
+    local, remote, pid = (_iovecs(dst, length), _iovecs(src, length), os.getpid()) if use_readv else (None, None, 0)
+    memmove = ctypes.memmove
+    for at, end in batches:
+        if stop is not None and stop.is_set():
+            raise CopyStopped("the read ended: the rest of its copy was not made")
+        if use_readv and local is not None and remote is not None and _readv is not None:
             want = int(length[at:end].sum())
             got = _readv(pid, local[at:end].ctypes.data, end - at, remote[at:end].ctypes.data, end - at, 0)
             if got == want:
                 continue
             err = ctypes.get_errno()
-            if got == -1 and err in (errno.EPERM, errno.ENOSYS) and at == 0:
-                _readv_refused = True
-                break
-            raise OSError(err, f"process_vm_readv copied {got} of {want} bytes: {os.strerror(err)}")
-        else:
-            return time.monotonic()
-    memmove = ctypes.memmove
-    for d, s, n in zip(dst[at:].tolist(), src[at:].tolist(), length[at:].tolist()):
-        memmove(d, s, n)
+            if not (got == -1 and err in (errno.EPERM, errno.ENOSYS)):
+                raise OSError(err, f"process_vm_readv copied {got} of {want} bytes: {os.strerror(err)}")
+            _readv_refused, use_readv = True, False  # refused (seccomp): memmove this batch and from now on
+        for d, s, n in zip(dst[at:end].tolist(), src[at:end].tolist(), length[at:end].tolist()):
+            memmove(d, s, n)
     return time.monotonic()
+
+
+class CopyStopped(Exception):
+    """A copy's read ended while it ran: the rest was not copied."""
+
+
+def _done(at: float) -> Future[float]:
+    f: Future[float] = Future()
+    f.set_result(at)
+    return f
 
 
 def _failed(exc: Exception) -> Future[float]:
@@ -141,10 +169,10 @@ class CopyRead:
     """One remote rank's rows of a read, copied by this daemon (a `postings.Posting`)."""
 
     wakes_loop = True
-    __slots__ = ("_ended_at", "parts", "posted")
+    __slots__ = ("_stop", "parts", "posted")
 
-    def __init__(self, parts: list[Future[float]], posted: float, ended_at: float = 0.0) -> None:
-        self.parts, self.posted, self._ended_at = parts, posted, ended_at
+    def __init__(self, parts: list[Future[float]], posted: float, stop: threading.Event | None = None) -> None:
+        self.parts, self.posted, self._stop = parts, posted, stop
 
     def ended(self) -> bool:
         if not all(p.done() for p in self.parts):
@@ -166,14 +194,15 @@ class CopyRead:
         return None
 
     def ended_at(self) -> float:
-        if self._ended_at:
-            return self._ended_at
         if not self.parts or not all(p.done() and not p.cancelled() and p.exception() is None for p in self.parts):
             return 0.0
         return max(p.result() for p in self.parts)
 
     def cancel(self) -> bool:
-        """Parts not started are dropped; True when none runs now (the rest ended)."""
+        """Its read ended: parts not started are dropped, running ones stop at their next batch
+        (none writes blocks the engine may have reused for long); True when none runs now."""
+        if self._stop is not None:
+            self._stop.set()
         for p in self.parts:
             p.cancel()
         return all(p.done() for p in self.parts)
@@ -202,12 +231,13 @@ class Copier:
         posted = time.monotonic()
         total = int(length.sum())
         if (total <= INLINE_BYTES and len(length) <= INLINE_RUNS) or (self.threads == 1 and total <= 4 * INLINE_BYTES):
-            done: Future[float] = Future()
-            done.set_result(copy_runs(dst, src, length))
-            return CopyRead([done], posted)
+            try:
+                return CopyRead([_done(copy_runs(dst, src, length))], posted)
+            except OSError as exc:
+                raise TransferError(f"copy failed: {exc}") from exc
         loop = asyncio.get_running_loop()  # before anything is submitted: nothing runs unowned
         share = -(-total // self.threads)
-        dst, src, length = cut(dst, src, length, share)
+        dst, src, length = cut(dst, src, length, min(share, CALL_BYTES))
         edges = np.searchsorted(np.cumsum(length), np.arange(1, self.threads) * share)
         parts = [(d, s, n) for d, s, n in zip(np.split(dst, edges), np.split(src, edges), np.split(length, edges))
                  if len(d)]
@@ -221,16 +251,18 @@ class Copier:
                 loop.call_soon_threadsafe(wake)
 
         futures: list[Future[float]] = []
+        stop = threading.Event()
         try:
             for d, s, n in parts:
-                futures.append(self._pool.submit(copy_runs, d, s, n))
+                futures.append(self._pool.submit(copy_runs, d, s, n, stop))
         except RuntimeError as exc:  # the pool is shut down (the daemon stops): what runs is its read's
+            stop.set()
             for f in futures:
                 f.cancel()
-            return CopyRead([*futures, _failed(exc)], posted)
+            return CopyRead([*futures, _failed(exc)], posted, stop)
         for f in futures:
             f.add_done_callback(part_done)
-        return CopyRead(futures, posted)
+        return CopyRead(futures, posted, stop)
 
     def close(self) -> None:
         """Wait for the copies running (they write engine memory that is unmapped next)."""

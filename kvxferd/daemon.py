@@ -108,7 +108,7 @@ class Daemon:
         own = OwnSide(self._is_own_address, self._answer_side_channel)  # same-node reads: answered in-process
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes,
                            cfg.max_plan_descriptors,
-                           SelfPeer(own, self.engines.serving, cfg.host_lane))
+                           SelfPeer(own, self.engines.serving, cfg.host_lane, cfg.same_node_uids == "any"))
         self.copier = Copier(cfg.copy_threads)
         self.links = Links(self.zmq, self.curve, own)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,

@@ -15,12 +15,15 @@ reach back (one behind NAT may not).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from . import handshake as hs
+
+log = logging.getLogger("kvxferd")
 
 Answer = Callable[[hs.SideRequest], hs.SideReply | Awaitable[hs.SideReply] | None]
 
@@ -48,6 +51,7 @@ class SelfLink:
         self.malformed = 0
         self._answer = answer
         self._queue: deque[tuple[hs.SideRequest, asyncio.Future[hs.LeaseReply] | None]] = deque()
+        self._closed = False
 
     def ask(self, req: hs.LeaseRequest, timeout_s: float) -> asyncio.Future[hs.LeaseReply]:
         fut: asyncio.Future[hs.LeaseReply] = asyncio.get_running_loop().create_future()
@@ -60,6 +64,8 @@ class SelfLink:
     def _put(self, req: hs.SideRequest, fut: asyncio.Future[hs.LeaseReply] | None) -> None:
         """Answered after the caller's turn, as a reply off a socket would be: the caller's state
         is settled before the answer changes the holds it reads."""
+        if self._closed:  # the daemon stops: nothing is answered by its holds any more
+            raise hs.HandshakeError("unreachable", "this daemon is stopping")
         self.used = time.monotonic()
         if not self._queue:
             asyncio.get_running_loop().call_soon(self.take_ready)
@@ -67,21 +73,29 @@ class SelfLink:
 
     def take_ready(self) -> None:
         """Answer every request waiting, in order."""
-        while self._queue:
-            req, fut = self._queue.popleft()
-            try:
-                reply = self._answer(req)
-            except Exception as exc:  # as the side channel's server does: one request's defect is its own
-                reply = hs.LeaseReply(False, f"internal error: {type(exc).__name__}: {exc}")
-            if fut is None or fut.done():
-                continue
-            if isinstance(reply, hs.LeaseReply):
-                fut.set_result(reply)
-            else:
-                fut.set_exception(hs.HandshakeError("invalid", f"this daemon answered a lease request with {reply!r}"))
-                fut.exception()
+        try:
+            while self._queue:
+                self._take(*self._queue.popleft())
+        finally:  # whatever escaped one answer, the requests after it are still answered
+            if self._queue:
+                asyncio.get_running_loop().call_soon(self.take_ready)
+
+    def _take(self, req: hs.SideRequest, fut: asyncio.Future[hs.LeaseReply] | None) -> None:
+        try:
+            reply = self._answer(req)
+        except Exception as exc:  # as the side channel's server does: one request's defect is its own
+            log.exception("answering this daemon's own %s request failed", req.__struct_config__.tag)
+            reply = hs.LeaseReply(False, f"internal error: {type(exc).__name__}: {exc}")
+        if fut is None or fut.done():
+            return
+        if isinstance(reply, hs.LeaseReply):
+            fut.set_result(reply)
+        else:
+            fut.set_exception(hs.HandshakeError("invalid", f"this daemon answered a lease request with {reply!r}"))
+            fut.exception()
 
     def close(self) -> None:
+        self._closed = True
         queued, self._queue = self._queue, deque()
         for _, fut in queued:
             if fut is not None and not fut.done():

@@ -103,3 +103,23 @@ def test_runs_merge_where_both_sides_go_on_and_long_ones_are_cut():
     assert (d.tolist(), s.tolist(), n.tolist()) == ([0, 1000], [5000, 9000], [300, 30])
     d, s, n = cut(d, s, n, 120)
     assert (d.tolist(), s.tolist(), n.tolist()) == ([0, 120, 240, 1000], [5000, 5120, 5240, 9000], [120, 120, 60, 30])
+
+
+def test_a_call_copies_at_most_iov_max_runs_and_call_bytes(monkeypatch):
+    """Linux caps one process_vm_readv call's bytes (2 GiB - 4 KiB): batches stay under CALL_BYTES."""
+    monkeypatch.setattr(copier_module, "CALL_BYTES", 100)
+    assert copier_module._batches(np.array([60, 30, 20, 100, 5])) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert copier_module._batches(np.ones(2500, dtype=np.int64)) == [(0, 100), *((i, i + 100) for i in
+                                                                                 range(100, 2500, 100))]
+
+
+def test_a_copy_whose_read_ended_starts_no_further_batch():
+    import threading
+
+    src = np.full(4 * PAGE, 7, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(copier_module.CopyStopped):
+        copier_module.copy_runs(np.array([dst.ctypes.data]), np.array([src.ctypes.data]), np.array([4 * PAGE]), stop)
+    assert not dst.any()

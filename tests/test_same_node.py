@@ -144,3 +144,83 @@ def test_a_peer_answering_with_this_daemons_own_agent_is_refused():
             thread.join(25)
             sock.close(0)
             ctx.term()
+
+
+def _read_as(uid: int, socket: str, remote: RemoteRef) -> str:
+    """A decode engine of `uid` on the daemon reads `remote`: its completion's status and reason."""
+    import os
+
+    from kvxferd.client import EngineClient
+    from kvxferd.memory import create_shm
+    from kvxferd.plan.models import build
+
+    geo = build(SHAPE, 1, 0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            fd, _mapping = create_shm(geo.buffers[0])
+            with EngineClient(socket, f"reader-{uid}", 0, 1) as c:
+                c.register(geo, shm_fds=[fd])
+                c.read(remote.request_id, remote, 32, [[0, 1]], [[0, 1]], deadline_s=20.0)
+                deadline = time.monotonic() + 30
+                done = []
+                while not done and time.monotonic() < deadline:
+                    done = c.poll(1.0)
+                os.write(w, f"{done[0].status}: {done[0].reason}".encode() if done else b"none")
+        except Exception as exc:
+            os.write(w, f"error: {exc}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.parametrize("uids", ["same", "any"])
+def test_an_engine_of_another_user_is_read_only_where_the_operator_allows_it(tmp_path, uids):
+    """The daemon maps every engine's memory: an engine of another uid reading one of root's on
+    the same daemon is refused before a byte moves (same_node_uids = "same", the default), read
+    where the operator said any."""
+    import os
+    import shutil
+    import tempfile
+
+    from kvxferd.client import EngineClient
+    from kvxferd.memory import create_shm
+    from kvxferd.plan.models import build
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to run an engine as another user")
+    root_dir = tempfile.mkdtemp(prefix="kvx-uids-")
+    os.chmod(root_dir, 0o755)
+    os.environ.update(KVXFERD_ALLOWED_UIDS="0,65534", KVXFERD_SAME_NODE_UIDS=uids)
+    try:
+        daemon = DaemonProcess(tmp_path, "node", socket=f"{root_dir}/run/kvxferd.sock")
+    finally:
+        del os.environ["KVXFERD_ALLOWED_UIDS"], os.environ["KVXFERD_SAME_NODE_UIDS"]
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        os.chmod(f"{root_dir}/run", 0o755)
+        os.chmod(daemon.socket, 0o666)
+        victim = EngineClient(daemon.socket, "victim", 0, 1)
+        side = victim.register(geo, shm_fds=[fd])
+        victim.hold("r-1", 30.0, [[0, 1]])
+        host, port = side.rsplit(":", 1)
+        answer = _read_as(65534, daemon.socket, RemoteRef("victim", host, int(port), 1, "r-1"))
+        if uids == "same":
+            assert answer.startswith("failed") and "registered by another user (uid 0)" in answer, answer
+        else:
+            assert answer.startswith("received"), answer
+        victim.close()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
+        shutil.rmtree(root_dir, ignore_errors=True)
