@@ -12,6 +12,7 @@ import time
 
 import msgspec
 import pytest
+from test_faults import wait_for
 
 from kvxferd.client import RemoteRef
 from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess, run_demo
@@ -21,16 +22,6 @@ replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
 BIG = replace(PRESETS["dense"], num_blocks=1024, layers=8, block_size=16)
 BIG_TOKENS = 16 * 1000  # ~260 MB per prompt over 4 ranks: the copy runs on the daemon's threads
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize(("preset", "p_tp", "d_tp"), [
