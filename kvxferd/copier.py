@@ -15,8 +15,8 @@ of this daemon needs no transport: the plan's rows are copied from one mapping i
          GIL per row; measured in docs/benchmarks.md, "Same node"); a memmove a run where the
          call is refused (a seccomp profile without it)
 
-A copy cannot be cancelled once a thread runs it: a read that ends meanwhile keeps its
-posting (quarantined, its memory mapped) until the copy ends, as for a NIXL READ.
+A read that ends while its copy runs stops it at the copy's next batch (at most CALL_BYTES
+later): until then it keeps its posting (quarantined, its memory mapped), as for a NIXL READ.
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ def cut(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDAr
     return dst[run] + offset, src[run] + offset, np.minimum(length[run] - offset, most)
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
-
-
 def _process_vm_readv() -> Callable[..., int] | None:
     try:
         call = ctypes.CDLL(None, use_errno=True).process_vm_readv
@@ -122,30 +118,35 @@ def _batches(length: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
     return out
 
 
+def _readv_batch(pid: int, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64], want: int) -> bool:
+    """One process_vm_readv call; False when the kernel refuses it (EPERM under a seccomp
+    profile, ENOSYS), OSError for a short count (the runs were checked inside our mappings)."""
+    assert _readv is not None
+    got = _readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    if got == want:
+        return True
+    err = ctypes.get_errno()
+    if got == -1 and err in (errno.EPERM, errno.ENOSYS):
+        return False
+    raise OSError(err, f"process_vm_readv copied {got} of {want} bytes: {os.strerror(err)}")
+
+
 def copy_runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64],
               stop: threading.Event | None = None) -> float:
     """Copy each run src -> dst, a batch of runs a call; returns when it ended (monotonic). Every
     run lies inside memory this process maps (checked by the caller): a short count is a defect,
     raised. `stop` set (its read ended): no further batch starts (CopyStopped)."""
     global _readv_refused
-    batches = _batches(length)
-    use_readv = _readv is not None and not _readv_refused
-    local, remote, pid = (_iovecs(dst, length), _iovecs(src, length), os.getpid()) if use_readv else (None, None, 0)
-    memmove = ctypes.memmove
-    for at, end in batches:
+    local, remote, pid = _iovecs(dst, length), _iovecs(src, length), os.getpid()
+    for at, end in _batches(length):
         if stop is not None and stop.is_set():
             raise CopyStopped("the read ended: the rest of its copy was not made")
-        if use_readv and local is not None and remote is not None and _readv is not None:
-            want = int(length[at:end].sum())
-            got = _readv(pid, local[at:end].ctypes.data, end - at, remote[at:end].ctypes.data, end - at, 0)
-            if got == want:
+        if _readv is not None and not _readv_refused:
+            if _readv_batch(pid, local[at:end], remote[at:end], int(length[at:end].sum())):
                 continue
-            err = ctypes.get_errno()
-            if not (got == -1 and err in (errno.EPERM, errno.ENOSYS)):
-                raise OSError(err, f"process_vm_readv copied {got} of {want} bytes: {os.strerror(err)}")
-            _readv_refused, use_readv = True, False  # refused (seccomp): memmove this batch and from now on
+            _readv_refused = True  # refused (seccomp): memmove this batch and from now on
         for d, s, n in zip(dst[at:end].tolist(), src[at:end].tolist(), length[at:end].tolist()):
-            memmove(d, s, n)
+            ctypes.memmove(d, s, n)
     return time.monotonic()
 
 

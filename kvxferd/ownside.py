@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from . import handshake as hs
 
 log = logging.getLogger("kvxferd")
 
 Answer = Callable[[hs.SideRequest], hs.SideReply | Awaitable[hs.SideReply] | None]
+R = TypeVar("R", hs.HandshakeReply, hs.AuditReply, hs.ProbeReply)
 
 
 @dataclass(frozen=True)
@@ -33,22 +34,22 @@ class OwnSide:
     is_address: Callable[[str, int], bool]
     answer: Answer
 
-    async def ask(self, req: hs.SideRequest) -> hs.SideReply:
-        """A request that is answered (handshake, audit, probe), answered here."""
-        reply = self.answer(req)
-        if reply is None:
-            raise hs.HandshakeError("invalid", f"no answer to a {req.__struct_config__.tag} request")
-        return await reply if not isinstance(reply, hs.SideReply) else reply
+    async def ask(self, req: hs.SideRequest, kind: type[R]) -> R:
+        """A request that is answered (handshake, audit, probe), answered here; HandshakeError
+        when the answer is not of `kind`."""
+        answer = self.answer(req)
+        reply = answer if answer is None or isinstance(answer, hs.SideReply) else await answer
+        if not isinstance(reply, kind):
+            raise hs.HandshakeError("malformed", f"this daemon answered a {req.__struct_config__.tag} request "
+                                                 f"with {type(reply).__name__}")
+        return reply
 
 
 class SelfLink:
-    """A link to this daemon's own side channel (see the module); the interface of `sidelink.Link`."""
+    """A link to this daemon's own side channel (see the module): what leases and notices use of
+    `sidelink.Link` (ask, tell, take_ready)."""
 
-    def __init__(self, answer: Answer, address: str) -> None:
-        self.address = address
-        self.waiting: OrderedDict[int, asyncio.Future[hs.LeaseReply]] = OrderedDict()  # never waits on a socket
-        self.used = time.monotonic()
-        self.malformed = 0
+    def __init__(self, answer: Answer) -> None:
         self._answer = answer
         self._queue: deque[tuple[hs.SideRequest, asyncio.Future[hs.LeaseReply] | None]] = deque()
         self._closed = False
@@ -66,7 +67,6 @@ class SelfLink:
         is settled before the answer changes the holds it reads."""
         if self._closed:  # the daemon stops: nothing is answered by its holds any more
             raise hs.HandshakeError("unreachable", "this daemon is stopping")
-        self.used = time.monotonic()
         if not self._queue:
             asyncio.get_running_loop().call_soon(self.take_ready)
         self._queue.append((req, fut))

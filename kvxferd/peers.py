@@ -37,6 +37,7 @@ retirement) is a remote peer's. It is retired as soon as its engine's rank close
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -234,19 +235,13 @@ class Peers:
     async def audit(self, ref: P.RemoteRef, req: hs.AuditRequest, timeout_s: float) -> hs.AuditReply:
         """Ask the peer's side channel for the digests of rows a read took from it."""
         if self._self is not None and self.is_self(ref.host, ref.port):
-            reply = await self._self.side.ask(req)
-            if not isinstance(reply, hs.AuditReply):
-                raise hs.HandshakeError("malformed", f"this daemon answered an audit with {type(reply).__name__}")
-            return reply
+            return await self._self.side.ask(req, hs.AuditReply)
         return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._curve)
 
     async def probe(self, peer: Peer, timeout_s: float) -> hs.ProbeReply:
         """Ask the peer's side channel whether its engine is still registered, and as which epoch."""
         if self._self is not None and peer.local:
-            reply = await self._self.side.ask(hs.ProbeRequest(hs.HANDSHAKE_VERSION, peer.engine_id))
-            if not isinstance(reply, hs.ProbeReply):
-                raise hs.HandshakeError("malformed", f"this daemon answered a probe with {type(reply).__name__}")
-            return reply
+            return await self._self.side.ask(hs.ProbeRequest(hs.HANDSHAKE_VERSION, peer.engine_id), hs.ProbeReply)
         return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
                               self._curve)
 
@@ -276,13 +271,9 @@ class Peers:
         t0 = time.perf_counter()
         try:
             local = self._self is not None and self.is_self(peer.host, peer.port)
-            if local:
-                assert self._self is not None
-                answer = await self._self.side.ask(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, peer.engine_id,
-                                                                       self._nixl.name))
-                if not isinstance(answer, hs.HandshakeReply):
-                    raise hs.HandshakeError("malformed", f"this daemon answered a handshake with {answer!r}")
-                reply = answer
+            if local and self._self is not None:
+                reply = await self._self.side.ask(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, peer.engine_id,
+                                                                      self._nixl.name), hs.HandshakeReply)
                 if not reply.ok:
                     raise hs.HandshakeError("refused", f"this daemon ({peer.address}): {reply.reason}")
             else:
@@ -408,9 +399,8 @@ class Peers:
                             "(same_node_uids = \"any\" allows them)")
         host = all(m.kind == "DRAM" for e in (er, *(sources[r] for r in wanted)) for m in e.mappings)
         if not host or self._self.host_lane == "loop":  # NIXL's own loopback: it reads what it registered
-            route = self._build_nixl(peer, er, wanted)
-            return Route(route.peer, route.agent, route.rank, route.plan, route.remote_tp, route.expected,
-                         route.links, "loop", tuple(sources[r] for r in wanted))
+            return dataclasses.replace(self._build_nixl(peer, er, wanted), lane="loop",
+                                       sources=tuple(sources[r] for r in wanted))
         plan = self._plan(peer, er, wanted)
         links = {rank: Link(None, None, region_addresses(peer.ranks[rank].geometry, peer.ranks[rank].buffer_addrs),
                             "DRAM", 0, sources[rank])

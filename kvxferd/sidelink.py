@@ -190,7 +190,7 @@ class Links:
         (engines name the addresses their reads go to: they may name many)."""
         if self._own is not None and self._own.is_address(host, port):
             if self._self_link is None:
-                self._self_link = SelfLink(self._own.answer, f"{host}:{port}")
+                self._self_link = SelfLink(self._own.answer)
             return self._self_link
         link = self._links.pop((host, port), None)
         if link is None:

@@ -248,9 +248,10 @@ def test_connections_per_uid_are_capped(tmp_path):
         daemon.stop()
 
 
-def _answer_as(gid: int, uid: int, ask: Callable[[], None]) -> str:
+def _answer_as(gid: int, uid: int, ask: Callable[[], str | None]) -> str:
     """What the daemon answers `ask` run in a forked child as uid:gid (the interpreter's files
-    need not be readable by that user): "served", the refusal's code, or the OS error."""
+    need not be readable by that user): what `ask` returns, else "served"; the refusal's code, or
+    the OS error."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child)
@@ -259,8 +260,7 @@ def _answer_as(gid: int, uid: int, ask: Callable[[], None]) -> str:
             os.setgid(gid)
             os.setuid(uid)
             try:
-                ask()
-                answer = "served"
+                answer = ask() or "served"
             except DaemonError as exc:
                 answer = exc.code
             except OSError as exc:
@@ -277,7 +277,9 @@ def _answer_as(gid: int, uid: int, ask: Callable[[], None]) -> str:
 
 def as_user(socket_path: str, gid: int, uid: int) -> str:
     """What the daemon answers a client running as uid:gid."""
-    return _answer_as(gid, uid, lambda: Client(socket_path, 10).status())
+    def ask() -> None:
+        Client(socket_path, 10).status()
+    return _answer_as(gid, uid, ask)
 
 
 def as_user_register(socket_path: str, gid: int, uid: int, engine: str, rank: int, tp_size: int) -> str:

@@ -139,38 +139,25 @@ def test_a_peer_answering_with_this_daemons_own_agent_is_refused():
 
 def _read_as(uid: int, socket: str, remote: RemoteRef) -> str:
     """A decode engine of `uid` on the daemon reads `remote`: its completion's status and reason."""
-    import os
+    from test_exhaustion import _answer_as
 
     from kvxferd.client import EngineClient
     from kvxferd.memory import create_shm
     from kvxferd.plan.models import build
 
     geo = build(SHAPE, 1, 0)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            fd, _mapping = create_shm(geo.buffers[0])
-            with EngineClient(socket, f"reader-{uid}", 0, 1) as c:
-                c.register(geo, shm_fds=[fd])
-                c.read(remote.request_id, remote, 32, [[0, 1]], [[0, 1]], deadline_s=20.0)
-                deadline = time.monotonic() + 30
-                done = []
-                while not done and time.monotonic() < deadline:
-                    done = c.poll(1.0)
-                os.write(w, f"{done[0].status}: {done[0].reason}".encode() if done else b"none")
-        except Exception as exc:
-            os.write(w, f"error: {exc}".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        answer = f.read()
-    os.waitpid(pid, 0)
-    return answer
+
+    def read() -> str:
+        fd, _mapping = create_shm(geo.buffers[0])
+        with EngineClient(socket, f"reader-{uid}", 0, 1) as c:
+            c.register(geo, shm_fds=[fd])
+            c.read(remote.request_id, remote, 32, [[0, 1]], [[0, 1]], deadline_s=20.0)
+            deadline = time.monotonic() + 30
+            done = []
+            while not done and time.monotonic() < deadline:
+                done = c.poll(1.0)
+            return f"{done[0].status}: {done[0].reason}" if done else "none"
+    return _answer_as(uid, uid, read)
 
 
 @pytest.mark.parametrize("uids", ["same", "any"])
