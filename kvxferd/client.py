@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import secrets
 import select
 import socket
 import stat
@@ -41,7 +42,7 @@ from .plan.geometry import Geometry
 from .rpc import FrameError, FrameReader, frame
 
 __all__ = ["AsyncClient", "AsyncEngineClient", "Client", "Completion", "DaemonError", "EngineClient",
-           "MemoryHandle", "RemoteRef", "Requests"]
+           "MemoryHandle", "RemoteRef", "Requests", "new_read_token"]
 
 RemoteRef = P.RemoteRef
 Completion = P.Completion
@@ -64,6 +65,12 @@ class DaemonError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+def new_read_token() -> str:
+    """A hold's read token: 128 random bits as 32 hex digits. Whoever is given it may read the
+    hold's blocks, so it travels only with the request (vLLM: in its kv_transfer_params)."""
+    return secrets.token_hex(16)
 
 
 def _hello(client: str) -> P.Hello:
@@ -222,8 +229,9 @@ class Requests:
     def attach(self, token: str) -> P.Attach:
         return P.Attach(self.engine_id, self.rank, token)
 
-    def hold(self, request_id: str, lease_s: float, block_ids: BlockLists, digest: bool | None = None) -> P.Hold:
-        return P.Hold(self.engine_id, self.rank, request_id, lease_s, self._blocks(block_ids), digest)
+    def hold(self, request_id: str, lease_s: float, block_ids: BlockLists, digest: bool | None = None,
+             read_token: str = "") -> P.Hold:
+        return P.Hold(self.engine_id, self.rank, request_id, lease_s, self._blocks(block_ids), digest, read_token)
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
              remote_blocks: BlockLists, deadline_s: float, audit: bool | None = None) -> P.Read:
@@ -490,8 +498,10 @@ class EngineClient:
         self.rpc.call(self.requests.unregister(), P.Ok)
 
     def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = (),
-             digest: bool | None = None) -> None:
-        self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest), P.Ok)
+             digest: bool | None = None, read_token: str = "") -> None:
+        """Prefill: hold these blocks for their readers. `read_token` (protocol 11, `new_read_token`)
+        is what a reader must present; "" lets whoever names the request read them."""
+        self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest, read_token), P.Ok)
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
              remote_blocks: BlockLists, deadline_s: float = 30.0, audit: bool | None = None) -> None:
@@ -582,8 +592,8 @@ class AsyncEngineClient:
         await self.rpc.call(self.requests.unregister(), P.Ok)
 
     async def hold(self, request_id: str, lease_s: float = 30.0, block_ids: BlockLists = (),
-                   digest: bool | None = None) -> None:
-        await self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest), P.Ok)
+                   digest: bool | None = None, read_token: str = "") -> None:
+        await self.rpc.call(self.requests.hold(request_id, lease_s, block_ids, digest, read_token), P.Ok)
 
     async def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
                    remote_blocks: BlockLists, deadline_s: float = 30.0, audit: bool | None = None) -> None:

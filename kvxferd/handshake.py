@@ -17,7 +17,11 @@ the holds it reads (leases.py), sent over one DEALER connection per peer daemon 
 Version 4 adds `"notice"`: the notifications of reads that are done, on that same connection
 instead of on the READs (notices.py), to a daemon whose handshake reply says it takes them.
 Version 5 adds `"serve"`: a reader asks for the serving daemon's NIXL progress when a READ of
-its needs it, instead of that daemon progressing for every hold (serving.py).
+its needs it, instead of that daemon progressing for every hold (serving.py). Version 6 makes a
+hold a capability: a claim carries the read token the reader was given (`Claimed.token`) and
+asks for the blocks the hold grants (`Claimed.grant`); the answer lists them (`ClaimAnswer.blocks`)
+or says `denied`. A reader posts a READ only for blocks a grant lists; a notification counts
+only with the hold's token (docs/security.md).
 
 What a handshake grants is scoped to the engine it names: the reply's metadata covers that
 engine's registered memory only, and the requester (the asking daemon's NIXL agent) is the
@@ -39,6 +43,7 @@ import zmq
 import zmq.asyncio
 from msgspec import Meta
 
+from . import protocol as P
 from .plan.geometry import Geometry, Segment
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
@@ -46,6 +51,7 @@ HANDSHAKE_VERSION = 2  # of handshakes and audits; leases are version 3 (LeaseRe
 LEASE_VERSION = 3
 NOTICE_VERSION = 4
 SERVE_VERSION = 5  # also the version of notices from a reader that asks for progress
+GRANT_VERSION = 6  # of lease requests that carry read tokens and ask for the blocks a hold grants
 MAX_MESSAGE = 256 << 20
 MAX_AUDIT_ROWS = 4 << 20
 
@@ -151,20 +157,26 @@ class HandshakeReply(msgspec.Struct):
 class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
     """One consumer of the prefill engine's held request is done (also sent for a rank nothing
     is read from). In a `NoticeRequest`, or as a NIXL notification carried by a READ. On the wire:
-    `["KVX1", engine, prefill rank, prefill request id, expected consumers]`."""
+    `["KVX1", engine, prefill rank, prefill request id, expected consumers, read token]`; a
+    daemon before read tokens sends no token (counted only for a hold that has none)."""
 
     engine_id: Name
     tp_rank: Rank
     request_id: Name
     expected: Annotated[int, Meta(ge=1, le=4096)]  # consumers the hold waits for
+    token: P.ReadToken = ""  # the hold's read token (side-channel version 6)
 
 
 class Claimed(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One held request a decode daemon reads (or will): `[engine, prefill rank, request id]`."""
+    """One held request a decode daemon reads (or will): `[engine, prefill rank, request id]`,
+    and from version 6 `token` (the read token its reader presents) and `grant` (send the block
+    lists the hold grants: the claimer has none yet)."""
 
     engine_id: Name
     tp_rank: Rank
     request_id: Name
+    token: P.ReadToken = ""
+    grant: bool = False
 
 
 MAX_CLAIMS = 4096  # claims in one lease request (a decode daemon batches per peer daemon)
@@ -213,9 +225,12 @@ class ServeRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind",
     serve_s: Annotated[float, Meta(gt=0, le=MAX_SERVE_S)]
 
 
-ClaimState = Literal["held", "consumed", "pending", "ended"]
+ClaimState = Literal["held", "consumed", "pending", "ended", "denied"]
 # held: alive, for granted_s at least;  consumed: ended "sent" after a notification of the requester;
-# pending: not held yet (an engine step behind its request);  ended: expired, dropped, or unknown
+# pending: not held yet (an engine step behind its request);  ended: expired, dropped, or unknown;
+# denied (version 6): held, but the claim's read token is not the hold's
+MAX_GRANT_BLOCKS = 1 << 20  # block ids one grant lists per cache group (handoff.MAX_BLOCKS_PER_GROUP)
+MAX_GRANT_GROUPS = 64
 
 
 MAX_GRANT_S = 1e7  # a claim's grant, at most: far past any max_lease_s
@@ -228,7 +243,11 @@ class ClaimAnswer(msgspec.Struct, array_like=True):
     granted_s: Annotated[float, Meta(ge=0, le=MAX_GRANT_S)] = 0.0
     # held, consumed: the registration of the engine holding it (ProbeRequest). A read planned
     # against another one read memory of an engine that has restarted under the same id.
-    epoch: str = ""
+    epoch: Epoch = ""
+    # held, consumed, asked with `grant` (version 6): per cache group, the block ids the hold
+    # names (packed little-endian int32): the only blocks a READ of this request may touch
+    blocks: Annotated[list[Annotated[bytes, Meta(max_length=MAX_GRANT_BLOCKS * 4)]],
+                      Meta(max_length=MAX_GRANT_GROUPS)] = []
 
 
 class LeaseReply(msgspec.Struct):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
+import hmac
 import itertools
 import logging
 import time
@@ -70,10 +71,24 @@ class Held:
     lease_until: float = 0.0  # the engine's lease (monotonic)
     pins: dict[str, float] = field(default_factory=dict)  # claiming agent -> not ended before (monotonic)
     notifiers: set[str] = field(default_factory=set)  # agents whose notifications counted
+    read_token: str = ""  # what a reader presents (protocol 11); "": any reader
+    _granted: list[bytes] | None = None  # block_ids packed, as a claim's grant lists them (`granted`)
 
     @property
     def key(self) -> HoldKey:
         return self.engine.engine_id, self.engine.tp_rank, self.request_id
+
+    def admits(self, token: str) -> bool:
+        """`token` is this hold's read token (compared in constant time), or the hold has none."""
+        return not self.read_token or hmac.compare_digest(token.encode(), self.read_token.encode())
+
+    @property
+    def granted(self) -> list[bytes]:
+        """Per cache group, the held block ids as little-endian int32: a grant (ClaimAnswer.blocks)."""
+        if self._granted is None:
+            self._granted = [ids if isinstance(ids, bytes) else P.block_array(ids).astype("<i4").tobytes()
+                             for ids in self.block_ids]
+        return self._granted
 
     @property
     def consumed(self) -> bool:
@@ -102,12 +117,27 @@ class HeldDigests:
 
 @dataclass
 class Early:
-    """Notifications for a request whose hold has not arrived yet."""
+    """Notifications for a request whose hold has not arrived yet, by the read token they carry:
+    once it arrives, those with its token count (all of them, for a hold without one)."""
 
-    count: int
     expected: int
     first: float
-    senders: set[str] = field(default_factory=set)
+    counts: dict[str, int] = field(default_factory=dict)  # read token -> notifications
+    senders: dict[str, set[str]] = field(default_factory=dict)  # read token -> agents
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def taken_by(self, held: Held) -> None:
+        """The notifications that count for `held`, counted."""
+        tokens = [t for t in self.counts if held.admits(t)] if held.read_token else list(self.counts)
+        held.count = sum(self.counts[t] for t in tokens)
+        held.expected = self.expected
+        held.notifiers = set().union(*(self.senders[t] for t in tokens))
+
+
+MAX_EARLY_TOKENS = 16  # tokens early notifications of one request carry; others are dropped
 
 
 # how a hold ended, the agents that notified it, and its engine's registration (epoch)
@@ -227,7 +257,13 @@ class Holds:
         `also_new`: new holds of the same rank applied before this one (a batch's)."""
         if msg.lease_s > self._max_lease_s:
             raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self._max_lease_s}]")
-        if (er.engine_id, er.tp_rank, msg.request_id) in self._held:
+        if msg.read_token and len(msg.read_token) < P.MIN_READ_TOKEN:
+            raise RequestError("bad_request", f"read_token of {len(msg.read_token)} characters; at least "
+                                              f"{P.MIN_READ_TOKEN} (128 random bits as hex), or none")
+        renewed = self._held.get((er.engine_id, er.tp_rank, msg.request_id))
+        if renewed is not None:
+            if msg.read_token != renewed.read_token:  # a renewal is the same hold's, never a new capability
+                raise RequestError("bad_request", f"request {msg.request_id!r} is held under another read_token")
             return False
         _check_block_ids(er, msg.block_ids)
         held = self._per_rank.get(er.key, 0) + also_new
@@ -249,10 +285,11 @@ class Holds:
             if self._integrity_audit if msg.digest is None else msg.digest:
                 digests = asyncio.ensure_future(self._digest_hold(er, msg.block_ids))
                 digests.add_done_callback(_log_failure)
-            held = self._held[key] = Held(er, msg.request_id, 0.0, now, msg.block_ids, digests=digests)
+            held = self._held[key] = Held(er, msg.request_id, 0.0, now, msg.block_ids, digests=digests,
+                                          read_token=msg.read_token)
             early = self._early.pop(key, None)
             if early is not None:
-                held.count, held.expected, held.notifiers = early.count, early.expected, early.senders
+                early.taken_by(held)
         held.lease_until = now + msg.lease_s  # a renewal never ends a hold before a pin it granted
         self._settle(held, now)
         self._recorder.holds_now(len(self._held))
@@ -301,6 +338,14 @@ class Holds:
         self._notifiers.move_to_end(notifier)
         key = (n.engine_id, n.tp_rank, n.request_id)
         held = self._held.get(key)
+        if held is not None and not held.admits(n.token):
+            # its sender was never given the hold's token: it cannot end what another reader pins
+            self._recorder.notification_received("unauthorized")
+            if self._unknown_logged.due():
+                log.warning("notification from agent %r for engine %s rank %d request %s dropped: not the "
+                            "hold's read token (logged at most every %g s)", sender[:256], n.engine_id,
+                            n.tp_rank, n.request_id, UNKNOWN_LOG_S)
+            return False
         if held is None:
             if not self._engines.knows((n.engine_id, n.tp_rank)):
                 self._recorder.notification_received("unknown")
@@ -311,9 +356,13 @@ class Holds:
             if key not in self._early and len(self._early) >= MAX_EARLY:  # oldest first: it waited longest
                 dropped = self._early.pop(next(iter(self._early)))
                 self._recorder.early_notifications_dropped(dropped.count)
-            early = self._early.setdefault(key, Early(0, n.expected, time.monotonic()))
-            early.count, early.expected = early.count + 1, n.expected
-            early.senders.add(sender)
+            early = self._early.setdefault(key, Early(n.expected, time.monotonic()))
+            if n.token not in early.counts and len(early.counts) >= MAX_EARLY_TOKENS:
+                self._recorder.early_notifications_dropped(1)
+                return True
+            early.counts[n.token] = early.counts.get(n.token, 0) + 1
+            early.senders.setdefault(n.token, set()).add(sender)
+            early.expected = n.expected
             self._recorder.notification_received("early")
             return True
         self._recorder.notification_received("consumer")
@@ -438,38 +487,44 @@ class Holds:
                                  epoch=ranks[0].epoch, notices=hs.NOTICE_VERSION, serve=hs.SERVE_VERSION)
 
     def answer_lease(self, req: hs.LeaseRequest) -> hs.LeaseReply:
-        """A decode daemon's claims on holds it reads or will read (see the module's doc)."""
-        if req.version != hs.LEASE_VERSION:
+        """A decode daemon's claims on holds it reads or will read (see the module's doc). A
+        requester before read tokens (version 3) is told `ended` where a newer one is `denied`."""
+        if req.version not in (hs.LEASE_VERSION, hs.GRANT_VERSION):
             return hs.LeaseReply(False, f"lease version {req.version} unsupported (this daemon speaks "
-                                        f"{hs.LEASE_VERSION})", seq=req.seq)
+                                        f"{hs.LEASE_VERSION} and {hs.GRANT_VERSION})", seq=req.seq)
         now = time.monotonic()
-        answers = [self._claim(c, req.requester, req.extend_s, req.release, now) for c in req.claims]
+        grants = req.version >= hs.GRANT_VERSION
+        answers = [self._claim(c, req.requester, req.extend_s, req.release, now, grants) for c in req.claims]
         self._recorder.claims_answered(len(answers))
         return hs.LeaseReply(True, seq=req.seq, answers=answers, agent=self._nixl.name)
 
-    def _claim(self, c: hs.Claimed, requester: str, extend_s: float, release: bool, now: float) -> hs.ClaimAnswer:
+    def _claim(self, c: hs.Claimed, requester: str, extend_s: float, release: bool, now: float,
+               grants: bool) -> hs.ClaimAnswer:
         key = (c.engine_id, c.tp_rank, c.request_id)
+        held = self._held.get(key)
+        if held is not None and not held.admits(c.token):  # neither pinned nor unpinned, nothing granted
+            return hs.ClaimAnswer("denied" if grants else "ended")
         ended = self._ended.get(key)
         if ended is not None:  # also when held again since: its blocks may have been reused meanwhile
             outcome, notifiers, epoch = ended
             if outcome == "sent" and requester in notifiers:
                 return hs.ClaimAnswer("consumed", epoch=epoch)
             return hs.ClaimAnswer("ended")
-        held = self._held.get(key)
         if held is None:
             return hs.ClaimAnswer("pending" if self._engines.knows((c.engine_id, c.tp_rank)) else "ended")
         if release:  # the claimer is done with it (its read failed, or it went): the lease decides again
             if held.pins.pop(requester, None) is not None:
                 self._settle(held, now)
             return hs.ClaimAnswer("held" if self._held.get(key) is held else "consumed", epoch=held.engine.epoch)
+        blocks = held.granted if grants and c.grant else []
         if requester not in held.pins and len(held.pins) >= MAX_PINS:
             # not pinned: another consumer's notification may end it
-            return hs.ClaimAnswer("held", 0.0, held.engine.epoch)
+            return hs.ClaimAnswer("held", 0.0, held.engine.epoch, blocks)
         # demand keeps it alive, up to a bound; never less than it lives already
         until = max(min(now + extend_s, held.since + self._max_lease_s), held.deadline, held.pins.get(requester, 0.0))
         held.pins[requester] = until
         self._settle(held, now)
-        return hs.ClaimAnswer("held", max(until - now, 0.0), held.engine.epoch)
+        return hs.ClaimAnswer("held", max(until - now, 0.0), held.engine.epoch, blocks)
 
     async def _digest_hold(self, er: EngineRank, block_ids: P.Blocks) -> HeldDigests:
         """The held blocks' digests, computed on the digest thread (the hold is answered at once)."""

@@ -35,10 +35,11 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import zmq
 
 from . import handshake as hs
@@ -49,7 +50,9 @@ from .sidelink import Links
 
 log = logging.getLogger("kvxferd")
 
-ClaimKey = tuple[str, int, str, int, str]  # (peer host, side-channel port, engine id, prefill rank, request id)
+# (peer host, side-channel port, engine id, prefill rank, request id, read token): readers that
+# present different tokens for one request make different claims, each granted (or denied) alone
+ClaimKey = tuple[str, int, str, int, str, str]
 ExpectKey = tuple[str, int, str]  # (local engine id, tp rank, local request id)
 RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no answer
 # An expectation's claim on a hold not held yet is asked again after PENDING_RETRY_S, doubling to
@@ -62,6 +65,14 @@ RESTARTED = "prefill engine restarted under the same id"  # starts confirm's ans
 WARN_S = 10.0
 MAX_EXPECTS = 1 << 16  # requests engines said they will read; beyond, the oldest are dropped
 MAX_EXPECT_CLAIMS = 1 << 18  # claims those expectations make (one per prefill rank: up to 4096 each)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a read may not be posted: its failure kind and reason."""
+
+    kind: Literal["forbidden", "expired"]
+    reason: str
 
 
 @dataclass(eq=False)
@@ -77,6 +88,9 @@ class Claim:
     agent: str = ""  # the prefill daemon (NIXL agent) that answered last; "" if it did not say
     unanswered: bool = False  # the last request naming it got no answer (refused, timed out)
     retry_s: float = 0.0  # when not held (pending, unanswered): the wait before it is asked again
+    # per cache group, the block ids the hold grants (sorted), from the first answer that listed
+    # them: a READ of this hold touches no other block (docs/security.md)
+    granted: list[np.ndarray] | None = None
 
     def covers(self, t: float, epoch: str) -> bool:
         """Vouched for through `t`, by the registration `epoch` the read was planned against."""
@@ -86,7 +100,21 @@ class Claim:
 
 
 def claim_keys(ref: P.RemoteRef, ranks: Iterable[int]) -> list[ClaimKey]:
-    return [(ref.host, ref.port, ref.engine_id, rank, ref.request_id) for rank in ranks]
+    return [(ref.host, ref.port, ref.engine_id, rank, ref.request_id, ref.read_token) for rank in ranks]
+
+
+def unpack_grant(blocks: list[bytes]) -> list[np.ndarray] | None:
+    """A claim answer's block lists as sorted arrays; None when they are not whole int32 ids."""
+    if any(len(b) % 4 for b in blocks):
+        return None
+    return [np.sort(np.frombuffer(b, dtype="<i4")) for b in blocks]
+
+
+def ungranted(granted: list[np.ndarray], remote: Sequence[np.ndarray]) -> list[list[int]]:
+    """Per cache group, the block ids a read names that its grant does not (the first 8 each)."""
+    if len(granted) != len(remote):
+        return [ids[:8].tolist() for ids in remote]
+    return [ids[~np.isin(ids, g)][:8].tolist() for g, ids in zip(granted, remote)]
 
 
 class Leases:
@@ -118,9 +146,8 @@ class Leases:
 
     # --- who needs which hold -------------------------------------------------
     def acquire(self, keys: list[ClaimKey]) -> None:
-        """Claim these holds (asked now, unless an answer already covers a while ahead)."""
-        if not self._confirm:
-            return
+        """Claim these holds (asked now, unless an answer already covers a while ahead). Claimed
+        whether or not reads are confirmed: a READ is posted only for blocks a claim was granted."""
         now = time.monotonic()
         for key in keys:
             c = self._claims.get(key)
@@ -162,7 +189,7 @@ class Leases:
     def expect(self, er: tuple[str, int], request_id: str, ref: P.RemoteRef) -> None:
         """An engine will read `ref` for its request: keep the prefill's holds (all its ranks)
         alive until the read ends, the request is released, or max_lease_s passes."""
-        if not self._renew or not self._confirm:
+        if not self._renew:
             return
         key = (er[0], er[1], request_id)
         if key in self._expects:
@@ -192,6 +219,54 @@ class Leases:
             self._expect_claims -= len(keys)
             self.release(keys)
 
+    # --- what may a read touch -----------------------------------------------
+    def grants(self, keys: list[ClaimKey]) -> list[list[np.ndarray]] | Refusal | None:
+        """The block lists granted to each claim; a Refusal: why the read may not be posted
+        (denied, ended, a daemon that grants nothing); None: some are not answered yet (`granted`
+        waits)."""
+        out = []
+        for key in keys:
+            c = self._claims.get(key)
+            if c is None:
+                return Refusal("expired", "the claim was dropped")
+            if c.state == "denied":
+                return Refusal("forbidden", f"prefill rank {key[3]} of {key[2]} refused request {key[4]!r}: the read "
+                                            "token is not the one its hold was given")
+            if c.state == "ended":
+                return Refusal("expired", f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r}")
+            if c.granted is not None:
+                out.append(c.granted)
+            elif c.state == "consumed":
+                return Refusal("expired", f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r}")
+            elif c.state == "held":  # answered by a daemon from before grants: it lists nothing
+                return Refusal("forbidden", f"prefill rank {key[3]} of {key[2]}: its daemon grants no blocks (a "
+                                            "kvxferd from before read tokens); upgrade it")
+            else:
+                return None
+        return out
+
+    async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float]) -> list[list[np.ndarray]] | Refusal:
+        """`grants` once every claim is answered (asked again while its hold is pending)."""
+        while True:
+            answer = self.grants(keys)
+            if answer is not None:
+                return answer
+            now, until = time.monotonic(), deadline()
+            if now >= until:
+                return Refusal("expired", "no grant of the read's blocks before its deadline (the prefill's hold "
+                                          "never arrived, or its daemon did not answer)")
+            waits = []
+            for key in keys:
+                claim = self._claims[key]
+                if claim.granted is None:
+                    if claim.asking is None:
+                        self._queue(key, claim)
+                    assert claim.asking is not None
+                    waits.append(claim.asking)
+            await asyncio.wait(waits, timeout=until - now)
+            if any((c := self._claims.get(k)) is not None and (c.state == "pending" or c.unanswered) for k in keys):
+                await asyncio.sleep(min(RETRY_S, max(deadline() - time.monotonic(), 0)))
+
     # --- is a read's hold vouched for -----------------------------------------
     def covers(self, keys: list[ClaimKey], t: float, agent: str = "", epoch: str = "") -> bool:
         """Every hold is known to have lived through `t` (no round trip needed), as the daemon
@@ -219,6 +294,8 @@ class Leases:
                             f"against {epoch} (the bytes read are the old registration's memory)")
                 if _same(c, agent) and c.covers(t, epoch):
                     continue
+                if c.state == "denied":
+                    return f"prefill rank {key[3]} of {key[2]} refused request {key[4]!r}: not its hold's read token"
                 if c.state == "ended" and _same(c, agent):
                     return (f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r} "
                             "(its lease passed, or it was released): its blocks may hold another prompt's KV")
@@ -284,8 +361,10 @@ class Leases:
             self._on_reply(reply)
 
     def _request(self, keys: list[ClaimKey], extend_s: float, release: bool = False) -> hs.LeaseRequest:
-        return hs.LeaseRequest(hs.LEASE_VERSION, next(self._seq), self._requester, extend_s,
-                               [hs.Claimed(k[2], k[3], k[4]) for k in keys], release)
+        claims = self._claims
+        return hs.LeaseRequest(hs.GRANT_VERSION, next(self._seq), self._requester, extend_s,
+                               [hs.Claimed(k[2], k[3], k[4], k[5], not release and (
+                                   (c := claims.get(k)) is None or c.granted is None)) for k in keys], release)
 
     def _send(self, host: str, port: int, req: hs.LeaseRequest) -> asyncio.Future[hs.LeaseReply]:
         """`req` on the wire now; the awaitable gives the reply, or raises HandshakeError when the
@@ -359,6 +438,8 @@ class Leases:
             if answers:
                 ans = answers[i]
                 c.state, c.agent, c.epoch = ans.state, agent, ans.epoch or c.epoch
+                if ans.blocks and c.granted is None and ans.state == "held":
+                    c.granted = unpack_grant(ans.blocks) or []  # malformed: grants no group, refuses all
                 if ans.state == "held":
                     c.held_since = sent
                     c.until = sent + ans.granted_s * (1 - SKEW) - SKEW

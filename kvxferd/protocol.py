@@ -19,9 +19,11 @@ from .plan.geometry import Geometry
 # doorbell pipe (`register.doorbell_pipe`), 6 `expect` (a read announced before its blocks are
 # allocated: the prefill's holds are kept alive meanwhile), 7 completions written into the doorbell
 # pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`), 9 the
-# doorbell's counter page, 10 its completion ring (`register.doorbell_ring`); older clients are served
-PROTOCOL_VERSION = 10
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# doorbell's counter page, 10 its completion ring (`register.doorbell_ring`), 11 read tokens
+# (`hold.read_token`, `remote.read_token`: a hold is a capability, see docs/security.md); older
+# clients are served (their holds carry no token: any reader may read the blocks they name)
+PROTOCOL_VERSION = 11
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -34,6 +36,10 @@ Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
 Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
+# A hold's capability (protocol 11): "" (an open hold, readable by whoever names it) or at least
+# MIN_READ_TOKEN characters, e.g. 32 hex digits of 128 random bits (client.new_read_token).
+ReadToken = Annotated[str, Meta(max_length=128)]
+MIN_READ_TOKEN = 32
 MAX_BLOCK_ID = (1 << 31) - 1
 # One cache group's block ids: a msgpack array of ints, or (protocol 8) packed, little-endian
 # int32 in a bin: 4 bytes an id, decoded without a Python int each (`block_array`).
@@ -143,7 +149,7 @@ class Unregister(Msg, tag="unregister"):
     tp_rank: Rank
 
 
-class Hold(Msg, tag="hold"):
+class Hold(Msg, tag="hold", omit_defaults=True):  # a daemon before 11 refuses a read_token it is sent
     """Prefill: keep request's blocks until its consumers have read them or the lease ends."""
     engine_id: Name
     tp_rank: Rank
@@ -151,14 +157,18 @@ class Hold(Msg, tag="hold"):
     lease_s: Seconds = 30.0
     block_ids: Blocks = []
     digest: bool | None = None  # digest the blocks for audits; None: the daemon's integrity_audit
+    # protocol 11: what a reader must present (RemoteRef.read_token) to read these blocks; only
+    # the blocks named here are ever read of this request. "": any reader that names the request
+    read_token: ReadToken = ""
 
 
-class RemoteRef(msgspec.Struct, forbid_unknown_fields=True):
+class RemoteRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     engine_id: Name
     host: Name
     port: Port
     tp_size: TpSize
     request_id: Name
+    read_token: ReadToken = ""  # protocol 11: the prefill hold's token (Hold.read_token)
 
 
 class Read(Msg, tag="read"):

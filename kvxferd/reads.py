@@ -57,7 +57,7 @@ from .copier import Copier, Spans, spans
 from .deadline import until_deadline
 from .engines import EngineRank
 from .lanes import Lanes
-from .leases import RESTARTED, ClaimKey, Leases, claim_keys
+from .leases import RESTARTED, ClaimKey, Leases, Refusal, claim_keys, ungranted
 from .logs import Throttle
 from .nixl_driver import NixlDriver, TransferError
 from .notices import Notices
@@ -205,7 +205,7 @@ class Transfer:
         try:
             for rank, (lids, rids) in reads.items():
                 link = route.links[rank]
-                notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected)
+                notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected, ref.read_token)
                 if route.lane == "copy":  # this daemon maps both: its own copy (copier.py)
                     pp, er, source = plan.peers[rank], self.engine, link.source
                     if source is None or source.closing:
@@ -234,7 +234,7 @@ class Transfer:
                                                                    _encode(notif))))
                 self.nbytes += nbytes[rank]
                 self.descriptors += len(lids)
-            unread = [hs.Notification(ref.engine_id, rank, ref.request_id, expected)
+            unread = [hs.Notification(ref.engine_id, rank, ref.request_id, expected, ref.read_token)
                       for rank in plan.targets if rank not in reads]
             if unread:  # consumers of ranks nothing is read from are done now
                 # Nothing read at all (a full prefix hit): sent to the peer's NIXL agent, whose
@@ -393,6 +393,11 @@ class Reads:
                                               f"groups; the geometry has {groups}")
         P.check_blocks(msg.local_blocks)
         P.check_blocks(msg.remote_blocks)
+        for g, ids in enumerate(msg.remote_blocks):  # a block read twice has no meaning, only a cost
+            ordered = np.sort(P.block_array(ids))
+            if (ordered[1:] == ordered[:-1]).any():
+                raise RequestError("bad_request", f"remote block ids of group {g} name block "
+                                                  f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice")
         reads = self._per_rank.get((er.engine_id, er.tp_rank), 0) + also_new
         if reads >= self._max_per_rank:  # quarantined ones count: NIXL still writes their memory
             raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} has {reads} reads "
@@ -494,8 +499,46 @@ class Reads:
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
+            grants = self._leases.grants(t.read_claims)
+            if grants is None:  # not granted yet (a read the engine did not announce): posted once it is
+                self._leases.flush()
+                self._spawn(t, self._post_when_granted(t, route))
+                return
+            if not self._admitted(t, grants):
+                return
             if early:
                 self._leases.flush()
+        self._post_granted(t, route, reading, early)
+
+    def _admitted(self, t: Transfer, grants: list[list[np.ndarray]] | Refusal) -> bool:
+        """A READ touches only blocks the hold grants (docs/security.md): else the read fails
+        before a byte moves, naming the blocks it may not read."""
+        if isinstance(grants, Refusal):
+            self._fail(t, grants.kind, grants.reason)
+            return False
+        for rank, granted in zip(t.read_ranks, grants):
+            outside = ungranted(granted, t.blocks.remote)
+            if any(outside):
+                ref = t.msg.remote
+                self._fail(t, "forbidden", f"prefill rank {rank} of {ref.engine_id} does not grant blocks {outside} "
+                                           f"(per cache group, first 8) to request {ref.request_id!r}")
+                return False
+        return True
+
+    async def _post_when_granted(self, t: Transfer, route: Route) -> None:
+        assert self._leases is not None
+        grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t))
+        if t.done or not self._admitted(t, grants):
+            return
+        reading = t.reads_on(route)
+        try:
+            self._post_granted(t, route, reading, self._large(reading))
+        except StaleRoute as exc:  # as on the fast path: a fresh handshake, once
+            self._peers.retire(route.peer, f"posting failed: {exc}")
+            t.route = None
+            await self._start_slow(t, ATTEMPTS - 1)
+
+    def _post_granted(self, t: Transfer, route: Route, reading: Reading, early: bool) -> None:
         try:
             notifications = t.post(reading, self._nixl, self._lanes, self._on_posted, self._notices, self._copier)
         except StaleRoute:  # nothing was read: the retry claims anew on its own route

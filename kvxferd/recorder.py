@@ -26,8 +26,9 @@ RECENT_S = 10  # the status reply's throughput window
 PEER_LABELS = 64  # distinct `peer` label values in Prometheus; later peers count as "other"
 
 # expired: the prefill's hold could not be vouched for through the READ (leases.py)
+# forbidden: its blocks are not all granted by the hold it names, or its read token is not the hold's
 FailureKind = Literal["handshake", "plan", "transfer", "deadline", "engine_gone", "shutdown", "integrity",
-                      "expired", "internal"]
+                      "expired", "internal", "forbidden"]
 DigestWhere = Literal["hold", "audit", "read"]  # prefill at hold, prefill answering, decode checking
 HoldOutcome = Literal["sent", "expired", "dropped"]
 # unauthorized: from a NIXL agent that never handshook for the engine it names (dropped)

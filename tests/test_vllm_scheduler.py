@@ -42,17 +42,31 @@ def side(groups=ATTENTION) -> SchedulerSide:
     return SchedulerSide("engine-p", 2, groups, 30.0, lambda: ("10.0.0.1", 5600))
 
 
-def prefill_params(num_tokens=100, blocks=(4, 5, 6, 7)) -> dict:
-    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens, [BS])
+TOKEN = "ab" * 16
+
+
+def prefill_params(num_tokens=100, blocks=(4, 5, 6, 7), token=TOKEN) -> dict:
+    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens, [BS], token)
 
 
 def test_prefill_holds_and_answers_with_what_decode_needs():
     s = side()
     req = Request("req-p", 100, {"do_remote_decode": True}, num_computed_tokens=100)
     delay, params = s.finished(req, ([4, 5, 6, 7],), completed=True)
-    assert delay and params == prefill_params()
-    assert s.take_orders().holds == [handoff.HoldOrder("req-p", [[4, 5, 6, 7]], 30.0)]
+    token = params["remote_read_token"]
+    assert len(token) == 32 and int(token, 16) >= 0  # 128 bits, as hex
+    assert delay and params == prefill_params(token=token)
+    assert s.take_orders().holds == [handoff.HoldOrder("req-p", [[4, 5, 6, 7]], 30.0, token)]
     assert s.take_orders().holds == []  # orders go out once
+    _, again = side().finished(Request("req-p", 100, {"do_remote_decode": True}, num_computed_tokens=100),
+                               ([4, 5, 6, 7],), completed=True)
+    assert again["remote_read_token"] != token  # a new capability for every hold
+
+
+def test_decode_presents_the_read_token_it_was_given():
+    assert handoff.parse_remote(prefill_params(), 1).remote.read_token == TOKEN
+    with pytest.raises(handoff.HandoffError, match="remote_read_token"):
+        handoff.parse_remote(dict(prefill_params(), remote_read_token=["x"]), 1)
 
 
 @pytest.mark.parametrize("completed,blocks", [(False, ([4],)), (True, ([],))])
@@ -69,7 +83,7 @@ def test_decode_reads_the_missing_tail_only():
     s.after_alloc(req, Blocks([[10, 11, 12, 13]]), 36)
     (read,) = s.take_orders().reads
     assert read.local_blocks == [[12, 13]] and read.remote_blocks == [[4, 5, 6, 7]] and read.num_tokens == 100
-    assert read.remote == handoff.RemoteRef("engine-p", "10.0.0.1", 5600, 2, "req-p")
+    assert read.remote == handoff.RemoteRef("engine-p", "10.0.0.1", 5600, 2, "req-p", TOKEN)
     assert req.kv_transfer_params["do_remote_prefill"] is False  # read once, not again after a preemption
 
 
@@ -174,12 +188,13 @@ def test_state_model_prefill_holds_the_last_state_block_and_real_attention_block
     delay, params = s.finished(req, ([7], [4, 5, 6, 8]), completed=True)
     assert delay and params["remote_block_ids"] == [[7], [4, 5, 6, 8]]
     assert params["remote_block_sizes"] == [4096, BS] and params["remote_num_tokens"] == 99
-    assert s.take_orders().holds == [handoff.HoldOrder("req-p", [[7], [4, 5, 6, 8]], 30.0)]
+    assert s.take_orders().holds == [handoff.HoldOrder("req-p", [[7], [4, 5, 6, 8]], 30.0,
+                                                       params["remote_read_token"])]
 
 
 def test_state_model_decode_reads_all_but_the_last_token():
     s = side(HYBRID)
-    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 99, [4096, BS])
+    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 99, [4096, BS], TOKEN)
     req = Request("req-d", 100, params)
     assert s.matched_tokens(req, 0) == (99, True)  # vLLM then computes token 99 itself (no rewind)
     s.after_alloc(req, Blocks([[3], [10, 11, 12, 13]]), 99)
@@ -190,7 +205,7 @@ def test_state_model_decode_reads_all_but_the_last_token():
 
 def test_state_model_decode_computes_locally_when_the_prefill_ran_the_whole_prompt():
     s = side(HYBRID)
-    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 100, [4096, BS])
+    params = handoff.prefill_params("engine-p", "req-p", "h", 5600, 1, [[7], [4, 5, 6, 8]], 100, [4096, BS], TOKEN)
     req = Request("req-d", 100, params)
     assert s.matched_tokens(req, 0) == (0, False)  # its state includes the token this side would add again
     (release,) = s.take_orders().reads

@@ -4,8 +4,12 @@ gives its workers. Pure: no vLLM, no I/O.
     proxy -> P: {"do_remote_decode": true}            P computes the prompt, holds its blocks
     P -> proxy: {"do_remote_prefill": true, "remote_engine_id", "remote_request_id",
                  "remote_host", "remote_port", "remote_block_ids", "remote_block_sizes",
-                 "remote_num_tokens", "tp_size"}
+                 "remote_num_tokens", "tp_size", "remote_read_token"}
     proxy -> D: those params verbatim                  D reads through its daemon
+
+`remote_read_token` is the hold's capability (docs/security.md): 128 random bits the prefill's
+scheduler makes with the hold; only a read presenting it is granted the hold's blocks. It is
+as secret as the prompt it belongs to, and travels only with it.
 
 Block lists are vLLM's, per cache group, from the first prompt block, with the null block
 (id 0) where a group keeps nothing: a sliding-window group nulls the blocks that left its
@@ -33,6 +37,7 @@ class HoldOrder(msgspec.Struct, array_like=True):
     request_id: str
     block_ids: list[list[int]]
     lease_s: float
+    read_token: str = ""  # what its reader presents (client.new_read_token)
 
 
 class ReadOrder(msgspec.Struct, array_like=True):
@@ -112,9 +117,13 @@ def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
     if missing:
         raise HandoffError(f"kv_transfer_params lack {missing}")
     try:
+        token = params.get("remote_read_token") or ""
+        if not isinstance(token, str) or len(token) > 128:
+            raise HandoffError("remote_read_token must be a string of at most 128 characters")
         remote = RemoteRef(str(params["remote_engine_id"])[:256], str(params["remote_host"])[:256],
                            _bounded(params["remote_port"], 1, 65535, "remote_port"),
-                           _bounded(params["tp_size"], 1, MAX_TP, "tp_size"), str(params["remote_request_id"])[:256])
+                           _bounded(params["tp_size"], 1, MAX_TP, "tp_size"), str(params["remote_request_id"])[:256],
+                           token)
         blocks = params["remote_block_ids"]
         if not isinstance(blocks, list):
             raise HandoffError("remote_block_ids must be a list")
@@ -150,12 +159,13 @@ def _block_list(ids: Any) -> tuple[int, ...]:
 
 
 def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
-                   block_ids: list[list[int]], num_tokens: int, block_sizes: list[int]) -> dict[str, Any]:
+                   block_ids: list[list[int]], num_tokens: int, block_sizes: list[int],
+                   read_token: str) -> dict[str, Any]:
     """The params P's response carries; the proxy hands them to D verbatim."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_host": host, "remote_port": port,
             "remote_block_ids": block_ids, "remote_block_sizes": block_sizes, "remote_num_tokens": num_tokens,
-            "tp_size": tp_size, "transfer_mode": "pull"}
+            "tp_size": tp_size, "transfer_mode": "pull", "remote_read_token": read_token}
 
 
 def held_blocks(groups: list[GroupInfo], block_ids: list[list[int]]) -> list[list[int]]:

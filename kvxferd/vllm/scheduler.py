@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..client import new_read_token
 from .handoff import (
     ExpectOrder,
     GroupInfo,
@@ -140,9 +141,10 @@ class SchedulerSide:
                         request.request_id, exc)
             return False, None
         blocks = [list(map(int, ids)) for ids in block_ids]
-        self.orders.holds.append(HoldOrder(request.request_id, held_blocks(self.groups, blocks), self.lease_s))
+        token = new_read_token()  # made here: the params leave with this step, the hold with the next
+        self.orders.holds.append(HoldOrder(request.request_id, held_blocks(self.groups, blocks), self.lease_s, token))
         return True, prefill_params(self.engine_id, request.request_id, host, port, self.tp_size, blocks,
-                                    request.num_computed_tokens, [g.block_size for g in self.groups])
+                                    request.num_computed_tokens, [g.block_size for g in self.groups], token)
 
     def take_orders(self, idle: bool = False) -> Orders:
         """This step's orders; `idle`: the step schedules no tokens (workers may wait for the daemon)."""

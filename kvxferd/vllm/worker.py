@@ -127,7 +127,7 @@ class WorkerSide:
                     end = now + order.lease_s if end > now + order.lease_s else end
                     self.holds[request_id] = (order, end)
                 client.hold(order.request_id, max(0.1, min(end - now, client.max_lease_s or end - now)),
-                            order.block_ids)
+                            order.block_ids, read_token=order.read_token)
                 accepted[order.request_id] = time.monotonic()  # answered: the daemon's hold began before
             self.accepted.update(accepted)
             self.daemon_agent, self.max_lease_s = client.agent, client.max_lease_s
@@ -211,7 +211,7 @@ class WorkerSide:
         r = self.client.requests
         sent: list[tuple[str, Order]] = [
             *((e.request_id, r.expect(e.request_id, e.remote)) for e in expects),
-            *((h.request_id, r.hold(h.request_id, h.lease_s, h.block_ids)) for h in holds),
+            *((h.request_id, r.hold(h.request_id, h.lease_s, h.block_ids, read_token=h.read_token)) for h in holds),
             *((o.request_id, r.read(o.request_id, o.remote, o.num_tokens, o.local_blocks, o.remote_blocks,
                                     self.read_deadline_s)) for o in reads)]
         for i in range(0, len(sent), P.MAX_BATCH):  # a step with more orders than a frame holds

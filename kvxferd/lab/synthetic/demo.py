@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from ... import protocol as P
-from ...client import RemoteRef
+from ...client import RemoteRef, new_read_token
 from ...plan.models import ModelShape
 
 
@@ -82,9 +82,13 @@ class EngineProcess:
         return self._result(timeout)
 
     # The engine's methods (kvxferd.lab.synthetic.engine.SyntheticEngine), run in its process.
-    def prefill(self, seq: int, num_tokens: int, lease_s: float,
-                digest: bool | None = None) -> tuple[tuple[int, ...], ...]:
-        return tuple(self._call("prefill", seq, num_tokens, lease_s, digest))
+    def prefill(self, seq: int, num_tokens: int, lease_s: float, digest: bool | None = None,
+                read_token: str = "", hold: bool = True) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._call("prefill", seq, num_tokens, lease_s, digest, read_token, hold))
+
+    def hold(self, seq: int, blocks: Sequence[Sequence[int]], lease_s: float, digest: bool | None = None,
+             read_token: str = "") -> None:
+        self._call("hold", seq, blocks, lease_s, digest, read_token)
 
     def wait_released(self, seq: int, timeout_s: float) -> list[str]:
         return list(self._call("wait_released", seq, timeout_s, timeout=timeout_s + 60))
@@ -272,6 +276,7 @@ class Cluster:
                  same_node: bool = False) -> None:
         """`daemons`: a prefill and a decode daemon already started (the cluster stops them)."""
         self.shape, self.p_shape, self.p_tp, self.d_tp = shape, p_shape or shape, p_tp, d_tp
+        self._read_tokens: dict[int, str] = {}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvxferd-")
@@ -301,13 +306,20 @@ class Cluster:
         host, port_s = self.prefill.side_channel.rsplit(":", 1)
         self.host, self.port = host, int(port_s)
 
+    def read_token(self, seq: int) -> str:
+        """Prompt `seq`'s read token (made on first use): what its hold is given and its read presents."""
+        token = self._read_tokens.get(seq)
+        if token is None:
+            token = self._read_tokens[seq] = new_read_token()
+        return token
+
     def remote(self, seq: int) -> RemoteRef:
-        return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}")
+        return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}", self.read_token(seq))
 
     def transfer(self, seq: int, num_tokens: int, hit_tokens: int = 0, lease_s: float = 30.0,
                  deadline_s: float = 30.0) -> dict[str, Any]:
         """Prefill a prompt, read it on the decode side (verified there), wait for its release."""
-        blocks = self.prefill.prefill(seq, num_tokens, lease_s)
+        blocks = self.prefill.prefill(seq, num_tokens, lease_s, read_token=self.read_token(seq))
         try:
             out = self.decode.decode(seq, num_tokens, self.remote(seq), blocks, hit_tokens, deadline_s, self.p_shape)
             out["released"] = self.prefill.wait_released(seq, lease_s + 5)

@@ -124,16 +124,22 @@ class SyntheticEngine:
             self.pool.extend(group)
 
     # --- prefill --------------------------------------------------------------
-    def prefill(self, seq: int, num_tokens: int, lease_s: float,
-                digest: bool | None = None) -> tuple[tuple[int, ...], ...]:
+    def prefill(self, seq: int, num_tokens: int, lease_s: float, digest: bool | None = None,
+                read_token: str = "", hold: bool = True) -> tuple[tuple[int, ...], ...]:
+        """Compute prompt `seq` into new blocks and (`hold`) hold them for its readers."""
         blocks = self.allocate(num_tokens)
         s = testing.Sequence(seq, num_tokens, blocks)
         for rank in self.ranks:
             testing.fill_sequence(rank.view, rank.geometry, s)
             rank.upload()
-        for rank in self.ranks:
-            rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks], digest)
+        if hold:
+            self.hold(seq, blocks, lease_s, digest, read_token)
         return blocks
+
+    def hold(self, seq: int, blocks: Sequence[Sequence[int]], lease_s: float, digest: bool | None = None,
+             read_token: str = "") -> None:
+        for rank in self.ranks:
+            rank.client.hold(f"req-{seq}", lease_s, [list(b) for b in blocks], digest, read_token)
 
     def reuse(self, blocks: Sequence[Sequence[int]], seq: int) -> None:
         """Write another prompt's state into blocks still held (what an engine that frees and
