@@ -7,8 +7,10 @@ Targets (each must only return or raise the documented error; anything else is a
 
     request       engine requests off the Unix socket, and   -> msgspec decode errors,
                   their block lists (packed or not) as ids      RequestError
-    side_channel  handshake/audit requests and replies,      -> msgspec decode errors, None
-                  READ notifications from peers
+    side_channel  handshake/audit/lease requests and         -> msgspec decode errors, None
+                  replies, READ notifications from peers
+    grant         a lease reply's granted blocks, unpacked    -> None, or sorted int32 arrays;
+                  and checked against a read's block ids        the ids outside them, per group
     frames        the Unix socket's length-prefixed frames   -> FrameError
                   fed in arbitrary chunks
     geometry      registered geometries: presets mutated     -> GeometryError, PlanError
@@ -48,6 +50,7 @@ with atheris.instrument_imports(include=["kvxferd", "msgspec"]):
     from kvxferd import doorbell as D
     from kvxferd import handshake as hs
     from kvxferd import integrity
+    from kvxferd import leases as leases_mod
     from kvxferd import protocol as P
     from kvxferd.memory import Mapping
     from kvxferd.plan.descriptors import RequestBlocks, request_indices
@@ -78,13 +81,30 @@ def fuzz_request(data: bytes) -> None:
 
 
 def fuzz_side_channel(data: bytes) -> None:
-    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder):
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder,
+                    hs.lease_reply_decoder):
         try:
             decoder.decode(data)
         except DECODE_ERRORS:
             pass
     parsed = hs.decode_notification(data)
     assert parsed is None or isinstance(parsed, hs.Notification)
+
+
+def fuzz_grant(data: bytes) -> None:
+    try:
+        reply = hs.lease_reply_decoder.decode(data)
+    except DECODE_ERRORS:
+        return
+    read = (np.arange(3, dtype=np.int64), np.array([0, 7, 1 << 30], dtype=np.int64))
+    for answer in reply.answers:
+        granted = leases_mod.unpack_grant(answer.blocks)
+        if granted is None:
+            assert any(len(b) % 4 for b in answer.blocks)
+            continue
+        assert all(g.dtype == np.dtype("<i4") and (np.diff(g) >= 0).all() for g in granted)
+        outside = leases_mod.ungranted(granted, read)
+        assert len(outside) == len(read) and all(len(o) <= 8 for o in outside)
 
 
 def fuzz_frames(data: bytes) -> None:
@@ -263,11 +283,13 @@ def seeds(target: str) -> list[bytes]:
     """Valid inputs to start from: mutations of real messages reach deeper than random bytes."""
     enc = msgspec.msgpack.encode
     geo = build(msgspec.structs.replace(PRESETS["dense"], num_blocks=4, layers=1), 1, 0)
-    ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "req-1")
+    ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "req-1", "ab" * 16)
     if target == "request":
         return [enc(m) for m in (
             P.Hello(3), P.Register("e", 0, 1, geo, [P.MemoryHandle("shm", geo.buffers[0])]), P.Unregister("e", 0),
-            P.Hold("e", 0, "r", 5.0, [[1, 2]], True), P.Read("e", 0, "r", ref, 40, [[1, 2]], [[3, 4]], 5.0, True),
+            P.Hold("e", 0, "r", 5.0, [[1, 2]], True),
+            P.Hold("e", 0, "r", 5.0, [[1]], None, "cd" * 16),
+            P.Read("e", 0, "r", ref, 40, [[1, 2]], [[3, 4]], 5.0, True),
             P.Read("e", 0, "r", ref, 40, [P.pack_blocks([1, 2])], [P.pack_blocks([3, 4]), [5]], 5.0),
             P.Batch([P.Hold("e", 0, "r", 5.0, [[1]])]), P.Poll("e", 0, 1.0, 16), P.StatusQuery(),
             P.Attach("e", 0, "ab" * 16))]
@@ -277,7 +299,15 @@ def seeds(target: str) -> list[bytes]:
                 enc(hs.HandshakeReply(True, agent="a", metadata=b"m", ranks=[hs.RankInfo(0, 1, "h", geo, [4096])])),
                 enc(hs.AuditReply(True, digests=b"\0" * 16, reused=[[1]])),
                 enc(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill")), enc(hs.ProbeReply(True, epoch="e")),
-                enc(hs.Notification("prefill", 0, "r", 2))]
+                enc(hs.Notification("prefill", 0, "r", 2)), enc(hs.Notification("prefill", 0, "r", 2, "ab" * 16)),
+                enc(hs.LeaseRequest(hs.GRANT_VERSION, 1, "d", 20.0, [hs.Claimed("prefill", 0, "r", "ab" * 16, True)])),
+                enc(hs.NoticeRequest(hs.NOTICE_VERSION, "d", [hs.Notification("prefill", 0, "r", 1, "ab" * 16)])),
+                enc(hs.LeaseReply(True, seq=1, answers=[hs.ClaimAnswer("held", 20.0, "e", [b"\1\0\0\0"]),
+                                                        hs.ClaimAnswer("denied")]))]
+    if target == "grant":
+        return [enc(hs.LeaseReply(True, seq=1, answers=[
+            hs.ClaimAnswer("held", 20.0, "e", [np.arange(5, dtype="<i4").tobytes(), b""]),
+            hs.ClaimAnswer("held", 1.0, "", [b"\7\0\0"])]))]
     if target == "doorbell":
         record = D.HEADER.pack(0) + b"".join(
             D.HEADER.pack(len(b)) + b for b in (enc(P.Completion("r", "received", nbytes=1 << 20, seconds=0.1)),
@@ -288,7 +318,7 @@ def seeds(target: str) -> list[bytes]:
 
 TARGETS = {"request": fuzz_request, "side_channel": fuzz_side_channel, "frames": fuzz_frames,
            "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows, "audit": fuzz_audit,
-           "plan_budget": fuzz_plan_budget, "doorbell": fuzz_doorbell}
+           "plan_budget": fuzz_plan_budget, "doorbell": fuzz_doorbell, "grant": fuzz_grant}
 
 
 def run_all(seconds: int) -> None:

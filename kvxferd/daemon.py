@@ -435,7 +435,12 @@ class Daemon:
                 counter = records and counter and version >= 9
                 ring = counter and ring and version >= 10 and ring_supported()
                 if pipe:
-                    for fd in er.open_doorbell(records, counter, ring):
+                    try:
+                        opened = er.open_doorbell(records, counter, ring)
+                    except OSError as exc:  # all or nothing: the engine's retry registers anew
+                        self._unregister(er, "its registration failed")
+                        raise RequestError("internal", f"the doorbell could not be made: {exc}") from None
+                    for fd in opened:
                         conn.send_with_next_reply(fd)
                     counter = er.doorbell is not None and er.doorbell.counter is not None  # a page was made
                     ring = er.doorbell is not None and er.doorbell.ring  # a ring implies its page

@@ -52,7 +52,18 @@ LEASE_VERSION = 3
 NOTICE_VERSION = 4
 SERVE_VERSION = 5  # also the version of notices from a reader that asks for progress
 GRANT_VERSION = 6  # of lease requests that carry read tokens and ask for the blocks a hold grants
-MAX_MESSAGE = 256 << 20
+MAX_MESSAGE = 64 << 20  # a handshake reply: metadata and geometries (~50 KiB a rank of a 128-layer model)
+# What a peer sends is bounded by kind before it is kept, logged or relayed (docs/security.md):
+# a reason or an agent name longer than these makes the whole reply malformed.
+MAX_REASON = 1024
+PeerText = Annotated[str, Meta(max_length=MAX_REASON)]
+AgentName = Annotated[str, Meta(max_length=256)]
+
+
+def printable(text: str) -> str:
+    """A peer's text as it may be logged or relayed: control characters (a forged log line's
+    newline, a terminal escape) shown as `?`."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 MAX_AUDIT_ROWS = 4 << 20
 
 
@@ -92,7 +103,7 @@ class AuditRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind",
 
 class AuditReply(msgspec.Struct):
     ok: bool
-    reason: str = ""
+    reason: PeerText = ""
     digests: bytes = b""  # little-endian uint64, one per row asked about
     reused: list[list[int]] = []  # per cache group: held blocks whose bytes changed since the hold
     # Not held yet (the read overtook the prefill engine's hold): ask again before the deadline.
@@ -114,7 +125,7 @@ class ProbeReply(msgspec.Struct):
     not say (one from before probes answers a malformed request): it is alive, its epoch unknown."""
 
     ok: bool
-    reason: str = ""
+    reason: PeerText = ""
     epoch: Epoch = ""
     gone: bool = False
 
@@ -136,8 +147,8 @@ class HandshakeReply(msgspec.Struct):
     change sent metadata for all its memory; loading either is the same call."""
 
     ok: bool
-    reason: str = ""
-    agent: str = ""
+    reason: PeerText = ""
+    agent: AgentName = ""
     metadata: bytes = b""
     ranks: list[RankInfo] = []
     more_metadata: list[bytes] = []
@@ -255,10 +266,10 @@ class LeaseReply(msgspec.Struct):
     request with a refusal without `seq` (0): a link takes that for its oldest request."""
 
     ok: bool
-    reason: str = ""
+    reason: PeerText = ""
     seq: int = 0
-    answers: list[ClaimAnswer] = []
-    agent: str = ""  # the answering daemon's NIXL agent: a grant holds for that daemon instance only
+    answers: Annotated[list[ClaimAnswer], Meta(max_length=MAX_CLAIMS)] = []
+    agent: AgentName = ""  # the answering daemon's NIXL agent: a grant holds for that daemon instance only
 
 
 _notification_decoder = msgspec.msgpack.Decoder(Notification)
@@ -500,7 +511,7 @@ async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str
     reply = await _ask(ctx, host, port, HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester), timeout_s,
                        _reply_decoder, curve)
     if not reply.ok:
-        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {reply.reason}")
+        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {printable(reply.reason)}")
     return reply
 
 

@@ -63,15 +63,68 @@ UNANSWERED_RETRY_S, UNANSWERED_RETRY_MAX_S = 1.0, 10.0
 SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds: clock rates and rounding
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
-MAX_EXPECTS = 1 << 16  # requests engines said they will read; beyond, the oldest are dropped
-MAX_EXPECT_CLAIMS = 1 << 18  # claims those expectations make (one per prefill rank: up to 4096 each)
+# Requests engines said they will read, and the claims those make (one per prefill rank: up to
+# 4,096 each). Each engine rank has its own quota, beyond which its own oldest are dropped; the
+# daemon's bound, once many ranks reach it, refuses a new expectation (its read still claims).
+MAX_EXPECTS_PER_RANK, MAX_EXPECT_CLAIMS_PER_RANK = 4096, 1 << 16
+MAX_EXPECTS, MAX_EXPECT_CLAIMS = 1 << 16, 1 << 20
+
+
+class Expectations:
+    """What engines said they will read (`Leases.expect`), in arrival order, by engine rank:
+    one rank's announcements never push out another's."""
+
+    def __init__(self) -> None:
+        self._all: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
+        self._by_rank: dict[tuple[str, int], dict[ExpectKey, int]] = {}  # rank -> its keys (claims each)
+        self._claims = 0
+
+    def __contains__(self, key: ExpectKey) -> bool:
+        return key in self._all
+
+    def add(self, key: ExpectKey, keys: list[ClaimKey], now: float) -> list[list[ClaimKey]] | None:
+        """Keep `key`; returns the claims of the rank's own expectations it pushed out, or None
+        when the daemon's bound leaves no room (nothing kept)."""
+        rank = key[:2]
+        mine = self._by_rank.get(rank, {})
+        dropped = []
+        while mine and (len(mine) >= MAX_EXPECTS_PER_RANK
+                        or sum(mine.values()) + len(keys) > MAX_EXPECT_CLAIMS_PER_RANK):
+            dropped.append(self.pop(next(iter(mine))) or [])
+        if len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS:
+            return None
+        self._all[key] = (keys, now)
+        self._by_rank.setdefault(rank, {})[key] = len(keys)
+        self._claims += len(keys)
+        return dropped
+
+    def pop(self, key: ExpectKey) -> list[ClaimKey] | None:
+        entry = self._all.pop(key, None)
+        if entry is None:
+            return None
+        mine = self._by_rank[key[:2]]
+        del mine[key]
+        if not mine:
+            del self._by_rank[key[:2]]
+        self._claims -= len(entry[0])
+        return entry[0]
+
+    def of_rank(self, rank: tuple[str, int]) -> list[ExpectKey]:
+        return list(self._by_rank.get(rank, ()))
+
+    def older_than(self, since: float) -> Iterator[ExpectKey]:
+        """The expectations made before `since`, oldest first (stop iterating to stop looking)."""
+        for key, (_, at) in self._all.items():
+            if at > since:
+                return
+            yield key
 
 
 @dataclass(frozen=True)
 class Refusal:
     """Why a read may not be posted: its failure kind and reason."""
 
-    kind: Literal["forbidden", "expired"]
+    kind: Literal["forbidden", "expired", "deadline"]
     reason: str
 
 
@@ -135,8 +188,7 @@ class Leases:
         self._tasks: set[asyncio.Task[None]] = set()  # unpins under way
         self._unapplied: dict[asyncio.Future[hs.LeaseReply], _Asked] = {}  # claim requests out, by reply
         self._seq = itertools.count(1)
-        self._expects: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
-        self._expect_claims = 0  # claim keys the expectations hold, together
+        self._expects = Expectations()
         self._renewals: list[tuple[float, ClaimKey]] = []  # heap: when a claim should be asked again
         self._warned = Throttle(WARN_S)  # a refusal, by peer
 
@@ -195,29 +247,25 @@ class Leases:
         if key in self._expects:
             return
         keys = claim_keys(ref, range(ref.tp_size))
-        while self._expects and (len(self._expects) >= MAX_EXPECTS
-                                 or self._expect_claims + len(keys) > MAX_EXPECT_CLAIMS):
-            dropped = self._expects.pop(next(iter(self._expects)))[0]
-            self._expect_claims -= len(dropped)
-            self.release(dropped)
-        self._expects[key] = (keys, time.monotonic())
-        self._expect_claims += len(keys)
+        dropped = self._expects.add(key, keys, time.monotonic())
+        if dropped is None:
+            if self._warned.due("expects"):
+                log.warning("expectations at the daemon's bound (%d, or %d claims): engine %s rank %d's not kept "
+                            "(its read still claims; logged at most every %g s)", MAX_EXPECTS, MAX_EXPECT_CLAIMS,
+                            er[0], er[1], WARN_S)
+            return
+        for keys_dropped in dropped:
+            self.release(keys_dropped)
         self.acquire(keys)
         self._recorder.read_expected()
 
     def take_expect(self, er: tuple[str, int], request_id: str) -> list[ClaimKey]:
         """The claims an engine's expectation made, now the read's (released when it ends)."""
-        entry = self._expects.pop((er[0], er[1], request_id), None)
-        if entry is None:
-            return []
-        self._expect_claims -= len(entry[0])
-        return entry[0]
+        return self._expects.pop((er[0], er[1], request_id)) or []
 
     def forget_engine(self, er: tuple[str, int]) -> None:
-        for key in [k for k in self._expects if k[:2] == er]:
-            keys = self._expects.pop(key)[0]
-            self._expect_claims -= len(keys)
-            self.release(keys)
+        for key in self._expects.of_rank(er):
+            self.release(self._expects.pop(key) or [])
 
     # --- what may a read touch -----------------------------------------------
     def grants(self, keys: list[ClaimKey]) -> list[list[np.ndarray]] | Refusal | None:
@@ -245,6 +293,21 @@ class Leases:
                 return None
         return out
 
+    def restarted(self, keys: list[ClaimKey], epoch: str) -> bool:
+        """A grant came from another registration of the engine than `epoch` (a route planned
+        against the old one would read memory the engine no longer has)."""
+        return bool(epoch) and any((c := self._claims.get(k)) is not None and c.epoch not in ("", epoch) for k in keys)
+
+    def _ungranted(self, keys: list[ClaimKey]) -> Refusal:
+        """Why a read's deadline passed before its grants came: nothing was read."""
+        for key in keys:
+            c = self._claims.get(key)
+            if c is not None and c.granted is None and c.state == "pending":
+                return Refusal("expired", f"prefill rank {key[3]} of {key[2]} never held request {key[4]!r} before "
+                                          "the read's deadline: nothing was read")
+        return Refusal("deadline", "passed before the prefill daemon granted the read's blocks (unreachable, or not "
+                                   "answering): nothing was posted yet")
+
     async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float]) -> list[list[np.ndarray]] | Refusal:
         """`grants` once every claim is answered (asked again while its hold is pending)."""
         while True:
@@ -253,8 +316,7 @@ class Leases:
                 return answer
             now, until = time.monotonic(), deadline()
             if now >= until:
-                return Refusal("expired", "no grant of the read's blocks before its deadline (the prefill's hold "
-                                          "never arrived, or its daemon did not answer)")
+                return self._ungranted(keys)
             waits = []
             for key in keys:
                 claim = self._claims[key]
@@ -481,13 +543,9 @@ class Leases:
         if len(self._renewals) > 2 * len(self._claims) + 64:  # released claims left stale entries
             self._renewals = [e for e in self._renewals if e[1] in self._claims]
             heapq.heapify(self._renewals)
-        while self._expects:  # an engine that never reads what it expected: bounded
-            expect, (keys, since) = next(iter(self._expects.items()))
-            if now - since <= self._max_expect_s:
-                break
-            del self._expects[expect]
-            self._expect_claims -= len(keys)
-            self.release(keys)
+        # an engine that never reads what it expected: bounded
+        for expect in list(self._expects.older_than(now - self._max_expect_s)):
+            self.release(self._expects.pop(expect) or [])
 
 
 @dataclass(frozen=True)
@@ -501,10 +559,13 @@ class _Asked:
     sent: float  # monotonic, before it left
 
 
+CLAIMS_PER_REQUEST = 256  # their answers may carry grants: a reply stays far under sidelink.MAX_REPLY
+
+
 def _chunks(keys: set[ClaimKey]) -> Iterator[list[ClaimKey]]:
     ordered = list(keys)
-    for i in range(0, len(ordered), hs.MAX_CLAIMS):
-        yield ordered[i:i + hs.MAX_CLAIMS]
+    for i in range(0, len(ordered), CLAIMS_PER_REQUEST):
+        yield ordered[i:i + CLAIMS_PER_REQUEST]
 
 
 def _same(c: Claim, agent: str) -> bool:

@@ -85,7 +85,7 @@ class Liveness:
             return
         if reply.gone:
             self._recorder.peer_probed("engine_gone")
-            self._peers.retire(peer, reply.reason, "engine_gone")
+            self._peers.retire(peer, hs.printable(reply.reason), "engine_gone")
         elif reply.ok and reply.epoch and peer.epoch and reply.epoch != peer.epoch:
             self._recorder.peer_probed("restarted")
             self._peers.retire(peer, f"registered again (epoch {reply.epoch}, was {peer.epoch})", "restarted")

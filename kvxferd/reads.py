@@ -504,11 +504,21 @@ class Reads:
                 self._leases.flush()
                 self._spawn(t, self._post_when_granted(t, route))
                 return
+            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch):
+                self._unclaim_reads(t)
+                raise StaleRoute("the prefill engine registered again since the route was planned")
             if not self._admitted(t, grants):
                 return
             if early:
                 self._leases.flush()
         self._post_granted(t, route, reading, early)
+
+    def _unclaim_reads(self, t: Transfer) -> None:
+        """Nothing was read on this route: the retry claims anew on its own."""
+        if self._leases is not None and t.read_claims:
+            self._leases.release(t.read_claims)
+            del t.claims[len(t.claims) - len(t.read_claims):]  # appended last, after the expectation's
+            t.read_claims = []
 
     def _admitted(self, t: Transfer, grants: list[list[np.ndarray]] | Refusal) -> bool:
         """A READ touches only blocks the hold grants (docs/security.md): else the read fails
@@ -528,10 +538,15 @@ class Reads:
     async def _post_when_granted(self, t: Transfer, route: Route) -> None:
         assert self._leases is not None
         grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t))
-        if t.done or not self._admitted(t, grants):
+        if t.done:
             return
-        reading = t.reads_on(route)
         try:
+            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch):
+                self._unclaim_reads(t)
+                raise StaleRoute("the prefill engine registered again since the route was planned")
+            if not self._admitted(t, grants):
+                return
+            reading = t.reads_on(route)
             self._post_granted(t, route, reading, self._large(reading))
         except StaleRoute as exc:  # as on the fast path: a fresh handshake, once
             self._peers.retire(route.peer, f"posting failed: {exc}")
@@ -542,10 +557,7 @@ class Reads:
         try:
             notifications = t.post(reading, self._nixl, self._lanes, self._on_posted, self._notices, self._copier)
         except StaleRoute:  # nothing was read: the retry claims anew on its own route
-            if self._leases is not None and t.read_claims:
-                self._leases.release(t.read_claims)
-                del t.claims[len(t.claims) - len(t.read_claims):]  # appended last, after the expectation's
-                t.read_claims = []
+            self._unclaim_reads(t)
             raise
         since_rpc, slices = time.perf_counter() - t.received_at, len(t.postings) if t.split else 0
         if not t.running:
@@ -790,7 +802,7 @@ class Reads:
                 await asyncio.sleep(AUDIT_RETRY_S)  # the read overtook the prefill's hold
                 reply = await self._audit_answer(t, ref, request)
             if not reply.ok:
-                raise _AuditRefused(f"prefill rank {rank} refused the audit: {reply.reason}")
+                raise _AuditRefused(f"prefill rank {rank} refused the audit: {hs.printable(reply.reason)}")
             theirs = np.frombuffer(reply.digests, "<u8")
             if len(theirs) != len(ours):
                 raise _AuditRefused(f"prefill rank {rank} sent {len(theirs)} digests for {len(ours)} rows")

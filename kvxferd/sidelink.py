@@ -33,7 +33,9 @@ from .ownside import OwnSide, SelfLink
 
 log = logging.getLogger("kvxferd")
 
-MAX_REPLY = 1 << 20  # a lease reply of MAX_CLAIMS answers is ~60 KiB
+# A lease reply of CLAIMS_PER_REQUEST answers that each grant a hold's block lists (a 15,000-block
+# hold of three groups: 180 KiB) stays well under this.
+MAX_REPLY = 64 << 20
 MAX_WAITING = 4096  # requests waiting for their reply on one link; more are refused at once
 IDLE_CLOSE_S = 120.0  # a link unused this long is closed (reopened on the next request)
 MAX_LINKS = 1024  # peer daemons linked at once: beyond, the least recently used idle link closes

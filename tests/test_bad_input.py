@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxferd import handshake as hs
+from kvxferd import leases as leases_mod
 from kvxferd import protocol as P
 from kvxferd.client import Client, DaemonError
 from kvxferd.lab.synthetic.demo import Cluster
@@ -81,11 +82,29 @@ def test_notification_decoder_random_bytes(data):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_handshake_decoders_random_bytes(data):
-    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder):
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder,
+                    hs.lease_reply_decoder):
         try:
             decoder.decode(data)
         except DECODE_ERRORS:
             pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=4), st.lists(st.integers(0, 50), max_size=6))
+def test_a_grant_of_any_bytes_is_refused_or_bounds_the_read(blocks, read_ids):
+    """What a peer grants (leases.unpack_grant): whole int32 ids, sorted, or nothing; a read's ids
+    outside it are named (at most 8 a group) and a read of a group it does not list is refused."""
+    granted = leases_mod.unpack_grant(blocks)
+    if granted is None:
+        assert any(len(b) % 4 for b in blocks)
+        return
+    read = [np.array(read_ids, dtype=np.int64)] * len(granted)
+    outside = leases_mod.ungranted(granted, read)
+    for g, ids, out in zip(granted, read, outside):
+        assert set(out) == set(ids[~np.isin(ids, g)][:8].tolist())
+        assert set(out) <= set(read_ids) and not set(out) & set(g.tolist())
+    assert leases_mod.ungranted(granted, [*read, np.array([1])])[-1] == [1]  # a group it does not list: refused
 
 
 def _mutated_replies():

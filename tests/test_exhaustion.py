@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import resource
 import socket
 import subprocess
 import tempfile
@@ -532,3 +533,36 @@ def test_a_handler_that_raises_loses_its_own_reply_only():
         return [bytes(r) for r in replies]
 
     assert asyncio.run(scenario()) == [b"re:one", b"re:two"]
+
+
+def test_a_registration_whose_doorbell_cannot_be_made_leaves_nothing_registered(tmp_path):
+    """The daemon out of fds as it makes a rank's doorbell: the engine hears why, and nothing
+    stays registered, so its retry registers (not "already registered" for good)."""
+    daemon = DaemonProcess(tmp_path, "daemon")
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    pid = daemon.proc.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    failures: list[str] = []
+    try:
+        for spare in range(12):  # fds left to the daemon as the registration arrives
+            with EngineClient(daemon.socket, "e", 0, 1, timeout=15.0) as c:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid) + spare, hard))
+                try:
+                    c.register(geo, shm_fds=[fd], doorbell=True, records=True)
+                    c.unregister()
+                    continue
+                except (DaemonError, OSError) as exc:
+                    failures.append(str(exc))
+                finally:
+                    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            with EngineClient(daemon.socket, "e", 0, 1, timeout=15.0) as c:  # the engine's retry
+                c.register(geo, shm_fds=[fd], doorbell=True, records=True)
+                c.unregister()
+        assert any("doorbell could not be made" in f for f in failures), failures
+        assert daemon.proc.poll() is None
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        daemon.stop()
+        os.close(fd)
+        mm.close()

@@ -130,7 +130,7 @@ def held_and_claimed(lease_s: float, claim_s: float) -> tuple[_FakeRank, Holds, 
         async def ask(self, req, timeout_s):
             return holds.answer_lease(req)
     leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", claim_s, True, 5.0)
-    return er, holds, leases, [("127.0.0.1", 5600, "prefill", 0, "r1")]
+    return er, holds, leases, [("127.0.0.1", 5600, "prefill", 0, "r1", "")]
 
 
 def test_a_claim_released_and_made_again_in_one_turn_stays_pinned():
@@ -173,7 +173,7 @@ def test_a_long_grants_next_renewal_never_falls_due_at_once(now, until):
 
     async def main() -> None:
         leases = Leases(SimpleNamespace(to=lambda h, p: None), Recorder(), "me", 20.0, True, 5.0)
-        key = ("10.0.0.1", 5600, "prefill", 0, "r1")
+        key = ("10.0.0.1", 5600, "prefill", 0, "r1", "")
         leases._claims[key] = leases_mod.Claim(holders=1, state="held", until=until)
         leases._renewals.append((now, key))
         previous = signal.signal(signal.SIGALRM, stuck)
@@ -208,7 +208,7 @@ def test_a_refusing_peer_is_asked_again_at_most_every_retry():
                 asked += 1
                 return hs.LeaseReply(False, "malformed side-channel request (an older daemon)")
         leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
-        keys = [("10.0.0.1", 5600, "prefill", 0, "req-1")]
+        keys = [("10.0.0.1", 5600, "prefill", 0, "req-1", "")]
         leases.acquire(keys)
         t = time.monotonic()
         assert await leases.confirm(keys, t, lambda: t + 0.5)
@@ -216,16 +216,21 @@ def test_a_refusing_peer_is_asked_again_at_most_every_retry():
     asyncio.run(main())
 
 
-def test_expectations_hold_a_bounded_number_of_claims():
+def test_expectations_hold_a_bounded_number_of_claims_and_one_rank_never_evicts_another():
+    """An engine rank that announces 4,096-rank reads without end drops its own oldest, never
+    another rank's (which would unpin that rank's prefill holds)."""
     async def main() -> None:
         class Link:
             async def ask(self, req, timeout_s):
                 await asyncio.sleep(3600)
         leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
-        bound = getattr(leases_mod, "MAX_EXPECT_CLAIMS", 1 << 18)
+        victim = P.RemoteRef("p", "10.0.0.1", 5600, 2, "victim")
+        leases.expect(("decode-b", 0), "b-1", victim)
+        bound = leases_mod.MAX_EXPECT_CLAIMS_PER_RANK
         for i in range(bound // 4096 + 8):
             leases.expect(("decode", 0), f"r{i}", P.RemoteRef("p", "10.0.0.1", 5600, 4096, f"q{i}"))
-        assert leases.claims <= bound
+        assert leases.claims <= bound + 2
+        assert leases.take_expect(("decode-b", 0), "b-1") == leases_mod.claim_keys(victim, range(2))
         for t in list(leases._tasks):
             t.cancel()
     asyncio.run(main())
@@ -416,141 +421,133 @@ def test_a_hold_that_never_comes_is_asked_about_less_and_less():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("nbytes, before_post", [(2 << 20, 1), (4096, 0)])
-def test_a_large_read_is_posted_after_the_engines_answer_with_its_claims_before_it(monkeypatch, nbytes,
-                                                                                    before_post):
-    """A READ of EARLY_CLAIM_BYTES or more holds the loop while it copies (CMA copies inside the
-    post): it is posted after `start` returns (the engine has its answer first, not after the
-    copy), and its claims leave before the post, so their answers are in when it ends. A small
-    read is posted inside `start`, and its claims leave at the end of the loop turn, one
-    request with the others of that turn."""
+GRANT_OF_1 = [np.array([1], dtype="<i4").tobytes()]  # a hold of block 1 (one cache group)
+
+
+def _stand_in_reads(monkeypatch, link, nbytes: int, posted: list, completions: list):
+    """Reads whose route is cached, whose READ posts report DONE at once, and whose claims go
+    to `link`; `posted` gets the number of claim requests out at each post."""
+    from kvxferd import reads as reads_mod
+
+    class Done:  # a READ NIXL reports DONE
+        def ended(self) -> bool:
+            return True
+
+        def release(self) -> None:
+            pass
+
+        def release_if_ended(self) -> bool:
+            return True
+
+        def cancel(self) -> bool:
+            return False
+
+        def timing(self) -> None:
+            return None
+
+        def ended_at(self) -> float:
+            return 0.0
+
+    def reads_on(self, route):
+        self.route, self.read_ranks = route, [0]
+        ids = np.arange(4, dtype=np.int32)
+        return reads_mod.Reading({0: (ids, ids)}, {0: nbytes})
+
+    def post(self, reading, nixl, lanes, on_sliced, notices, copier):
+        posted.append(len(link.out))
+        self.postings.append(Done())  # the copy ran inside this call
+        return 1
+
+    monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
+    monkeypatch.setattr(reads_mod.Transfer, "post", post)
+    leases = Leases(SimpleNamespace(to=lambda h, p: link, get=lambda h, p: link), Recorder(), "me", 20.0, True, 5.0)
+    er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
+                         complete=completions.append)
+    ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
+    route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False, used=0.0),
+                            plan=SimpleNamespace(targets=(0,)), rank=er, sources=())
+
+    async def cached(ref, er, deadline):
+        return route
+    peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached,
+                            retire=lambda *a: None)
+    reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
+                            leases=leases, on_posted=lambda: None)
+    return reads, er, ref, leases
+
+
+class _GrantingLink:
+    """A prefill daemon's side of the claims: answered when `answer` is called, granting `blocks`."""
+
+    def __init__(self, blocks=GRANT_OF_1) -> None:
+        self.out: list[tuple[hs.LeaseRequest, asyncio.Future]] = []
+        self.blocks = blocks
+
+    def ask(self, req, timeout_s):
+        self.out.append((req, asyncio.get_running_loop().create_future()))
+        return self.out[-1][1]
+
+    def answer(self) -> None:
+        for req, fut in self.out:
+            if not fut.done():
+                fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[
+                    hs.ClaimAnswer("held", 20.0, "", self.blocks if c.grant else []) for c in req.claims]))
+
+    def take_ready(self) -> None:
+        self.answer()
+
+
+@pytest.mark.parametrize("nbytes", [2 << 20, 4096])
+def test_a_read_not_announced_is_posted_once_its_claim_grants_its_blocks(monkeypatch, nbytes):
+    """A READ touches only blocks its hold grants: a read the engine did not announce is
+    posted after its claim was answered with the hold's blocks (one request asks for them),
+    never inside `start`; then it is received."""
     async def main() -> None:
-        from kvxferd import reads as reads_mod
-
-        asked: list[hs.LeaseRequest] = []
-        asked_before_post: list[int] = []
-
-        class Link:
-            def ask(self, req, timeout_s):
-                asked.append(req)
-                fut = asyncio.get_running_loop().create_future()
-                fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0)]))
-                return fut
-
-        def reads_on(self, route):
-            self.route, self.read_ranks = route, [0]
-            ids = np.arange(4, dtype=np.int32)
-            return reads_mod.Reading({0: (ids, ids)}, {0: nbytes})
-
-        def post(self, reading, nixl, lanes, on_sliced, notices, copier):
-            asked_before_post.append(len(asked))
-            return 0  # nothing left running: the read finishes at once
-
-        monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
-        monkeypatch.setattr(reads_mod.Transfer, "post", post)
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
-        ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
-        er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
-                             complete=lambda c: None)
-        route = SimpleNamespace(remote_tp=1, rank=er, sources=())
-
-        async def cached(ref, er, deadline):
-            return route
-        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached)
-        reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
-                                leases=leases)
+        link, posted, completions = _GrantingLink(), [], []
+        reads, er, ref, _ = _stand_in_reads(monkeypatch, link, nbytes, posted, completions)
         reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
-        assert asked_before_post == ([] if before_post else [0])
         await asyncio.sleep(0)
-        assert asked_before_post == [before_post]
-        assert [r.release for r in asked][:1] == [False]  # the claim first (then, the read over, its unpin)
-        assert sum(not r.release for r in asked) == 1  # one claim either way
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("answered_in_the_copy", [True, False])
-def test_a_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch, answered_in_the_copy):
-    """Over CMA a large READ's copy runs inside its post, and its claim is answered meanwhile:
-    the read is reported `received` as the post returns, in the same loop turn, because the
-    waiting answer vouches for its end. Without that answer it is not reported then, and is
-    once the answer comes."""
-    async def main() -> None:
-        from kvxferd import reads as reads_mod
-
-        class Link:
-            def __init__(self) -> None:
-                self.out: list[tuple[hs.LeaseRequest, asyncio.Future]] = []
-
-            def ask(self, req, timeout_s):
-                self.out.append((req, asyncio.get_running_loop().create_future()))
-                return self.out[-1][1]
-
-            def answer(self) -> None:  # what came back: a hold of 20 s
-                for req, fut in self.out:
-                    if not fut.done():
-                        fut.set_result(hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0)
-                                                                                 for _ in req.claims]))
-
-            def take_ready(self) -> None:
-                if answered_in_the_copy:
-                    self.answer()
-
-        class Done:  # a READ NIXL reports DONE
-            def ended(self) -> bool:
-                return True
-
-            def release(self) -> None:
-                pass
-
-            def release_if_ended(self) -> bool:
-                return True
-
-            def cancel(self) -> bool:
-                return False
-
-            def timing(self) -> None:
-                return None
-
-            def ended_at(self) -> float:
-                return 0.0
-
-        def reads_on(self, route):
-            self.route, self.read_ranks = route, [0]
-            ids = np.arange(4, dtype=np.int32)
-            return reads_mod.Reading({0: (ids, ids)}, {0: reads_mod.EARLY_CLAIM_BYTES})
-
-        def post(self, reading, nixl, lanes, on_sliced, notices, copier):
-            self.postings.append(Done())  # the copy ran inside this call
-            return 1
-
-        monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
-        monkeypatch.setattr(reads_mod.Transfer, "post", post)
-        link = Link()
-        leases = Leases(SimpleNamespace(to=lambda h, p: link, get=lambda h, p: link), Recorder(), "me", 20.0, True, 5.0)
-        ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
-        completions: list[P.Completion] = []
-        er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
-                             complete=completions.append)
-        route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False),
-                                plan=SimpleNamespace(targets=(0,)), rank=er, sources=())
-
-        async def cached(ref, er, deadline):
-            return route
-        peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached)
-        reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
-                                leases=leases, on_posted=lambda: None)
-        reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
-        assert not completions and not link.out  # posted after the engine's answer
-        await asyncio.sleep(0)  # the post: claim sent, copy, answers taken, READ seen DONE
-        assert len(link.out) == 1
-        if answered_in_the_copy:
-            assert [c.status for c in completions] == ["received"]
-            return
-        assert not completions  # nothing vouches for the READ's end yet
+        assert posted == [] and len(link.out) == 1 and link.out[0][0].claims[0].grant
         link.answer()
         for _ in range(10):
             await asyncio.sleep(0)
-        assert [c.status for c in completions] == ["received"]
+        reads.poll(time.monotonic())  # the progress loop's look at what is posted
+        assert posted == [1] and [c.status for c in completions] == ["received"]
+    asyncio.run(main())
+
+
+def test_a_read_of_blocks_its_hold_does_not_grant_is_never_posted(monkeypatch):
+    async def main() -> None:
+        link, posted, completions = _GrantingLink([np.array([7], dtype="<i4").tobytes()]), [], []
+        reads, er, ref, _ = _stand_in_reads(monkeypatch, link, 4096, posted, completions)
+        reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
+        await asyncio.sleep(0)
+        link.answer()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert posted == []
+        assert [(c.status, c.block_ids) for c in completions] == [("failed", [[1]])]
+        assert "does not grant blocks [[1]]" in completions[0].reason
+    asyncio.run(main())
+
+
+def test_an_announced_large_read_done_when_its_post_returns_is_reported_at_once(monkeypatch):
+    """An announced read's grant is in before it starts. Over CMA a large READ's copy runs
+    inside its post: the read is reported `received` as the post returns, in the same loop turn,
+    because the grant's answer vouches for its end."""
+    async def main() -> None:
+        from kvxferd import reads as reads_mod
+
+        link, posted, completions = _GrantingLink(), [], []
+        reads, er, ref, leases = _stand_in_reads(monkeypatch, link, reads_mod.EARLY_CLAIM_BYTES, posted, completions)
+        leases.expect(("decode", 0), "d-1", ref)
+        await asyncio.sleep(0)
+        link.answer()
+        await asyncio.sleep(0)
+        reads.start(er, P.Read("decode", 0, "d-1", ref, 8, [[1]], [[1]]), 0.0)
+        assert not completions and not posted  # posted after the engine's answer
+        await asyncio.sleep(0)  # the post: copy, READ seen DONE
+        assert posted == [1] and [c.status for c in completions] == ["received"]
     asyncio.run(main())
 
 
@@ -571,7 +568,7 @@ def test_a_peer_address_zmq_refuses_does_not_hold_up_other_peers_claims():
                 raise zmq.ZMQError(zmq.EINVAL)
             return Link()
         leases = Leases(SimpleNamespace(to=to), Recorder(), "me", 20.0, True, 5.0)
-        bad, good = [("a b", 5600, "prefill", 0, "r1")], [("10.0.0.1", 5600, "prefill", 0, "r2")]
+        bad, good = [("a b", 5600, "prefill", 0, "r1", "")], [("10.0.0.1", 5600, "prefill", 0, "r2", "")]
         leases.acquire(bad)
         leases.acquire(good)
         leases.flush()

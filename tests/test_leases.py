@@ -16,10 +16,9 @@ import time
 import urllib.request
 
 import msgspec
-import pytest
 
 from kvxferd.client import EngineClient, RemoteRef
-from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
+from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import PRESETS, build
 

@@ -142,7 +142,8 @@ def test_partition_that_does_not_heal(lab, cluster):
     assert out["status"] == "failed" and out["latency_s"] < 2.0 + 1.0 and out["block_ids"], out
     c.prefill.wait_released(2, 10)
     c.prefill.free(blocks)
-    assert c.status(1).quarantined == len(posted) + 4  # posted whole on the cached connection: quarantined too
+    # nothing posted: its grant never came through the partition, so no READ waits in UCX for it
+    assert c.status(1).quarantined == len(posted)
     lab.partition(False)  # the network comes back: TCP retransmits, the quarantined READs end
     wait_for(lambda: c.status(1).quarantined == 0, 60, "quarantined READs to end once the network is back")
     received(c, 3, 500)

@@ -256,7 +256,7 @@ def test_helm_chart_lints_and_renders_valid_manifests():
                 and parsed["side_channel_port"] == 5600)
         pod = next(d for d in docs[f"kvxferd/templates/{'daemonset' if mode == 'daemonset' else 'sidecar'}.yaml"])
         spec = pod["spec"]["template"]["spec"]
-        assert spec["hostIPC"] is True
+        assert not spec.get("hostIPC") and not spec.get("shareProcessNamespace")  # nothing of the host's IPC
         if mode == "sidecar":
             names = [c["name"] for c in spec["containers"]]
             assert names == ["inference", "kvxferd"]
@@ -270,6 +270,8 @@ def test_helm_chart_lints_and_renders_valid_manifests():
         assert env["KVXFERD_CURVE_SECRET_KEY_FILE"] == "/etc/kvxferd/curve/kvxferd.key_secret"
         assert env["KVXFERD_CURVE_AUTHORIZED_KEYS_DIR"] == "/etc/kvxferd/curve"
         assert env["KVXFERD_SIDE_CHANNEL_HOST"] == "0.0.0.0" and env["KVXFERD_SIDE_CHANNEL_INSECURE"] == "false"
+    asked = next(d for d in _render({"hostIPC": True, **CURVE})["kvxferd/templates/daemonset.yaml"])
+    assert asked["spec"]["template"]["spec"]["hostIPC"] is True  # for engines with legacy CUDA IPC handles
     dashboard = next(d for d in _render({"dashboard": {"enabled": True}, **CURVE})["kvxferd/templates/dashboard.yaml"])
     assert json.loads(dashboard["data"]["kvxferd.json"]) == json.loads(
         (DEPLOY / "grafana" / "kvxferd.json").read_text())

@@ -1,0 +1,94 @@
+"""A hold is a capability (docs/security.md), attacked through real daemons as a hostile decode
+engine, HTTP client or peer would.
+
+Each attack worked before read tokens and grants: a READ was posted at once and claimed in
+parallel, so the bytes reached the attacker's memory whatever the claim said. Now nothing is
+read that the hold does not grant to the token presented; `kvxferd_nixl_transfer_seconds_count`
+on the decode daemon (READs it saw DONE) shows that no READ ran.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from test_leases import nixl_transfers
+from test_serving import _side_channel
+
+from kvxferd import handshake as hs
+from kvxferd.client import new_read_token
+from kvxferd.lab.synthetic.demo import Cluster, DemoError
+from kvxferd.plan.models import PRESETS
+
+SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=256, layers=2)
+TOKENS = 40
+
+
+def test_a_read_of_another_requests_blocks_under_its_own_hold_is_refused_before_a_byte_moves():
+    """The attacker's own request is held (it holds the token), and its read names the victim's
+    block ids: refused `forbidden`, naming the blocks, with no READ."""
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)  # the route exists
+        victim = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        own = c.prefill.prefill(2, TOKENS, 30.0, read_token=c.read_token(2))
+        reads = nixl_transfers(c, 1)
+        out = c.decode.decode(2, TOKENS, c.remote(2), victim, 0, 5.0, c.p_shape)
+        assert out["status"] == "failed" and "forbidden" in out["reason"], out["reason"]
+        assert not set(victim[0]) & set(own[0])
+        assert f"does not grant blocks [[{victim[0][0]}" in out["reason"], out["reason"]
+        assert out["block_ids"] == [out["local_blocks"]]  # the engine learns which blocks hold nothing
+        assert nixl_transfers(c, 1) == reads
+        assert c.transfer(3, TOKENS)["status"] == "received"  # and honest reads go on
+
+
+def test_a_read_without_the_holds_token_is_refused_and_reads_nothing():
+    """Request ids are not secrets: a decode that names the victim's request and blocks but not
+    its token is denied by the prefill daemon, before any READ."""
+    with Cluster(SHAPE, 2, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)
+        victim = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        guessed = msgspec.structs.replace(c.remote(1), read_token=new_read_token())
+        reads = nixl_transfers(c, 1)
+        out = c.decode.decode(1, TOKENS, guessed, victim, 0, 5.0, c.p_shape)
+        assert out["status"] == "failed" and "read token" in out["reason"], out["reason"]
+        assert nixl_transfers(c, 1) == reads
+        # the victim's own read still gets its bytes (verified byte for byte), and its hold ends sent
+        assert c.decode.decode(1, TOKENS, c.remote(1), victim, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"] * c.p_tp
+        assert c.status(1).counters.failed == 1
+
+
+def test_a_read_naming_a_request_that_is_not_held_reads_nothing():
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        ghost = msgspec.structs.replace(c.remote(1), request_id="req-never-held")
+        reads = nixl_transfers(c, 1)
+        out = c.decode.decode(1, TOKENS, ghost, blocks, 0, 1.0, c.p_shape)
+        assert out["status"] == "failed" and "expired" in out["reason"], out["reason"]
+        assert nixl_transfers(c, 1) == reads
+
+
+def test_a_notice_in_another_readers_name_without_the_token_does_not_end_its_hold():
+    """A peer that handshook sends notices in the victim decode daemon's agent name for the
+    victim's request: without the hold's token they count for nothing, the victim's read is
+    received with its own bytes, and its notice ends the hold `sent`."""
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)
+        victim_agent = c.status(1).agent
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        forged = hs.Notification("prefill", 0, "req-1", 1)  # no token: all the forger knows
+        _side_channel(c, hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "forger"),
+                      hs.NoticeRequest(hs.NOTICE_VERSION, victim_agent, [forged, forged]))
+        assert c.status(0).held, "the forged notices ended the victim's hold"
+        assert c.status(0).counters.unauthorized_notifs >= 2
+        assert c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"]
+
+
+def test_a_hold_refuses_a_short_token_and_a_renewal_under_another():
+    with Cluster(SHAPE, 1, 1) as c:
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        with pytest.raises(DemoError, match="at least 32"):
+            c.prefill.hold(2, blocks, 30.0, read_token="short")
+        with pytest.raises(DemoError, match="another read_token"):
+            c.prefill.hold(1, blocks, 30.0, read_token=new_read_token())
