@@ -23,6 +23,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     allowed_uids: list[int] = []  # SO_PEERCRED allow-list; empty: the daemon's own uid and root
     max_connections_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 256  # engine socket connections open at once
     max_holds_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 65536  # held requests per engine rank
+    # engine ranks one uid has registered (each maps its memory: vm.max_map_count is the node's),
+    # those closing and still mapped included
+    max_ranks_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1024
     max_reads_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 4096  # reads in flight per engine rank
     # Descriptors (local + remote) a route to one peer may take; a plan above it is refused at
     # handshake (a peer of one-token pages over a large cache would take GBs of descriptor arrays).

@@ -100,7 +100,7 @@ class Daemon:
                                        cfg.curve_authorized_keys_dir or os.path.dirname(cfg.curve_secret_key_file),
                                        cfg.curve_server_key_file)
         self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
-        self.engines = Engines(self.nixl, self.recorder, self.lanes)
+        self.engines = Engines(self.nixl, self.recorder, self.lanes, cfg.max_ranks_per_uid)
         self.digester = integrity.Digester("digest")  # our engines' holds and reads
         self.audit_digester = integrity.Digester("audit")  # peers' audits: apart, so neither starves the other
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,

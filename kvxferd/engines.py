@@ -126,8 +126,10 @@ class EngineRank:
 class Engines:
     """Owns every registered rank: its mappings and NIXL registrations from register to release."""
 
-    def __init__(self, nixl: NixlDriver, recorder: Recorder, lanes: Lanes | None = None) -> None:
+    def __init__(self, nixl: NixlDriver, recorder: Recorder, lanes: Lanes | None = None,
+                 max_ranks_per_uid: int = 1024) -> None:
         self._nixl = nixl
+        self._max_ranks_per_uid = max_ranks_per_uid
         self._lanes = lanes
         self._recorder = recorder
         self._ranks: dict[EngineKey, EngineRank] = {}  # serving, by key
@@ -196,6 +198,13 @@ class Engines:
     def _check(self, msg: P.Register, conn: ServerConnection | None) -> Geometry:
         if (msg.engine_id, msg.tp_rank) in self._ranks:
             raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
+        if conn is not None:  # each rank maps memory: one user's ranks are bounded, whatever their engine ids
+            uid = conn.credentials[1]
+            mine = sum(1 for r in (*self._ranks.values(), *self._closing)
+                       if r.conn is not None and r.conn.credentials[1] == uid)
+            if mine >= self._max_ranks_per_uid:
+                raise RequestError("bad_request", f"uid {uid} has {mine} engine ranks registered or still mapped "
+                                                  f"(max_ranks_per_uid {self._max_ranks_per_uid})")
         for other in self.serving(msg.engine_id):  # an engine's ranks: one user's, one TP size
             if other.conn is not None and conn is not None and other.conn.credentials[1] != conn.credentials[1]:
                 raise RequestError("forbidden", f"engine {msg.engine_id!r} is registered by another user "

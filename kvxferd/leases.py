@@ -268,15 +268,21 @@ class Leases:
             self.release(self._expects.pop(key) or [])
 
     # --- what may a read touch -----------------------------------------------
-    def grants(self, keys: list[ClaimKey]) -> list[list[np.ndarray]] | Refusal | None:
-        """The block lists granted to each claim; a Refusal: why the read may not be posted
-        (denied, ended, a daemon that grants nothing); None: some are not answered yet (`granted`
-        waits)."""
+    def grants(self, keys: list[ClaimKey], agent: str = "") -> list[list[np.ndarray]] | Refusal | None:
+        """The block lists granted to each claim by the daemon `agent` the READs go to; a
+        Refusal: why the read may not be posted (denied, ended, a daemon that grants nothing);
+        None: some are not answered yet, or were answered by another instance of the daemon (a
+        restart behind the address): asked again, `granted` waits."""
         out = []
         for key in keys:
             c = self._claims.get(key)
             if c is None:
                 return Refusal("expired", "the claim was dropped")
+            if not _same(c, agent):  # that daemon's answers say nothing of this one's holds
+                c.granted, c.state, c.epoch = None, None, ""
+                if c.asking is None:
+                    self._queue(key, c)
+                return None
             if c.state == "denied":
                 return Refusal("forbidden", f"prefill rank {key[3]} of {key[2]} refused request {key[4]!r}: the read "
                                             "token is not the one its hold was given")
@@ -293,10 +299,11 @@ class Leases:
                 return None
         return out
 
-    def restarted(self, keys: list[ClaimKey], epoch: str) -> bool:
-        """A grant came from another registration of the engine than `epoch` (a route planned
-        against the old one would read memory the engine no longer has)."""
-        return bool(epoch) and any((c := self._claims.get(k)) is not None and c.epoch not in ("", epoch) for k in keys)
+    def restarted(self, keys: list[ClaimKey], epoch: str, agent: str = "") -> bool:
+        """A grant of the daemon `agent` came from another registration of the engine than
+        `epoch` (a route planned against the old one would read memory the engine no longer has)."""
+        return bool(epoch) and any((c := self._claims.get(k)) is not None and _same(c, agent)
+                                   and c.epoch not in ("", epoch) for k in keys)
 
     def _ungranted(self, keys: list[ClaimKey]) -> Refusal:
         """Why a read's deadline passed before its grants came: nothing was read."""
@@ -308,10 +315,11 @@ class Leases:
         return Refusal("deadline", "passed before the prefill daemon granted the read's blocks (unreachable, or not "
                                    "answering): nothing was posted yet")
 
-    async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float]) -> list[list[np.ndarray]] | Refusal:
+    async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float],
+                      agent: str = "") -> list[list[np.ndarray]] | Refusal:
         """`grants` once every claim is answered (asked again while its hold is pending)."""
         while True:
-            answer = self.grants(keys)
+            answer = self.grants(keys, agent)
             if answer is not None:
                 return answer
             now, until = time.monotonic(), deadline()

@@ -1,8 +1,9 @@
 """Decode side: reads from peer daemons, from the request to the completion the engine polls.
 
-    start(R) -> route (cached; else handshake + plan, shared) -> Transfer.post: a READ per remote
-             rank read from, a notification alone to the others -> polled until every READ is
-             DONE -> "received";  an error or the deadline -> "failed" + the local block ids
+    start(R) -> route (cached; else handshake + plan, shared) -> claims granted (the holds' block
+             lists; R's remote blocks among them, else "forbidden") -> Transfer.post: a READ per
+             remote rank read from, a notification alone to the others -> polled until every
+             READ is DONE -> "received";  an error or the deadline -> "failed" + the local block ids
 
 A read large enough is split across posting lanes (lanes.py): its slices are posted from the
 lanes' threads, and its consumers are notified once every slice is DONE. Whole READs and slices
@@ -90,7 +91,8 @@ _encode = msgspec.msgpack.Encoder().encode
 # for the copy); its claims are sent before it, so their answers are back when it ends (a claim's
 # round trip through two daemons is ~0.5-2 ms, ~10% of a 64 MiB read here); and it is reported
 # as soon as the post returns DONE. Smaller reads are posted at once, and their claims leave at
-# the end of the loop turn, one request per peer for all of them.
+# the end of the loop turn, one request per peer for all of them. Either is posted only once its
+# claims are granted (`_admitted`): an announced read's grants are in before it starts.
 EARLY_CLAIM_BYTES = 1 << 20
 PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
 AUDIT_ASK_MIN_S = 0.05  # an audit is asked again after a stop only with this much of the deadline left
@@ -499,12 +501,13 @@ class Reads:
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
-            grants = self._leases.grants(t.read_claims)
+            grants = self._leases.grants(t.read_claims, route.agent)
             if grants is None:  # not granted yet (a read the engine did not announce): posted once it is
                 self._leases.flush()
                 self._spawn(t, self._post_when_granted(t, route))
                 return
-            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch):
+            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch,
+                                                                          route.agent):
                 self._unclaim_reads(t)
                 raise StaleRoute("the prefill engine registered again since the route was planned")
             if not self._admitted(t, grants):
@@ -537,11 +540,12 @@ class Reads:
 
     async def _post_when_granted(self, t: Transfer, route: Route) -> None:
         assert self._leases is not None
-        grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t))
+        grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t), route.agent)
         if t.done:
             return
         try:
-            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch):
+            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch,
+                                                                          route.agent):
                 self._unclaim_reads(t)
                 raise StaleRoute("the prefill engine registered again since the route was planned")
             if not self._admitted(t, grants):

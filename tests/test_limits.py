@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -113,6 +114,46 @@ def test_a_large_hold_is_digested_off_the_daemon_s_loop(tmp_path):
             waiter.join(120)
         assert order == ["status", "hold"]
         owner.close()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
+
+
+def test_ranks_per_uid_are_capped_across_engine_ids_and_connections(tmp_path):
+    """Each registered rank maps its memory: one uid registering engine ids without end would
+    use up the node's mappings (vm.max_map_count) for every other engine. Refused past
+    max_ranks_per_uid, on any connection of that uid, with the setting named; a rank released
+    makes room again."""
+    os.environ["KVXFERD_MAX_RANKS_PER_UID"] = "3"
+    try:
+        daemon = DaemonProcess(tmp_path, "daemon")
+    finally:
+        del os.environ["KVXFERD_MAX_RANKS_PER_UID"]
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        engines = []
+        for i in range(3):
+            e = EngineClient(daemon.socket, f"e{i}", 0, 1)
+            e.register(geo, shm_fds=[fd])
+            engines.append(e)
+        for who in ("e3", "e4"):  # a fourth rank, on a new connection each time
+            with EngineClient(daemon.socket, who, 0, 1) as e, pytest.raises(DaemonError) as refused:
+                e.register(geo, shm_fds=[fd])
+            assert refused.value.code == "bad_request" and "max_ranks_per_uid 3" in str(refused.value)
+        engines.pop().close()  # unregistered with its connection: nothing holds its memory
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with EngineClient(daemon.socket, "e3", 0, 1) as e:
+                    e.register(geo, shm_fds=[fd])
+                break
+            except DaemonError:
+                assert time.monotonic() < deadline, "the released rank's room never came back"
+                time.sleep(0.05)
+        for e in engines:
+            e.close()
     finally:
         os.close(fd)
         mm.close()

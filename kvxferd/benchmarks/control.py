@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from .. import protocol as P
-from ..client import AsyncEngineClient, Completion, EngineClient, RemoteRef
+from ..client import AsyncEngineClient, Completion, EngineClient, RemoteRef, new_read_token
 from ..plan.geometry import Geometry
 from ..plan.models import ModelShape, build
 from . import control_raw
@@ -88,8 +88,9 @@ async def _drive(socket: str, token: str, geo: Geometry, remote_host: str, remot
         blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         waiting[rid] = fut
-        remote = RemoteRef("p", remote_host, remote_port, 1, rid)
-        await holder.hold(rid, 60.0, blocks)
+        token = new_read_token()
+        remote = RemoteRef("p", remote_host, remote_port, 1, rid, token)
+        await holder.hold(rid, 60.0, blocks, read_token=token)
         if announce:
             await poster.expect(rid, remote)
         if pause_s:
@@ -150,6 +151,7 @@ async def _batched(poster: AsyncEngineClient, holder: AsyncEngineClient, waiting
 
     tasks = []
     sent = 0
+    tokens: dict[str, str] = {}  # request id -> its hold's read token
     while sent < requests:
         n = min(batch, requests - sent)
         async with room:
@@ -159,7 +161,8 @@ async def _batched(poster: AsyncEngineClient, holder: AsyncEngineClient, waiting
         holds: list[P.Hold | P.Read | P.Expect] = []
         for k, slot in enumerate(slots):
             blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
-            holds.append(holder.requests.hold(f"b{concurrency}-{sent + k}", 60.0, blocks))
+            rid = f"b{concurrency}-{sent + k}"
+            holds.append(holder.requests.hold(rid, 60.0, blocks, read_token=tokens.setdefault(rid, new_read_token())))
         assert all(e is None for e in await holder.batch(holds))
         t0 = time.perf_counter()
         for slot in slots:
@@ -168,8 +171,8 @@ async def _batched(poster: AsyncEngineClient, holder: AsyncEngineClient, waiting
             blocks = [list(range(slot * BLOCKS, (slot + 1) * BLOCKS))]
             fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
             waiting[rid] = fut
-            msgs.append(poster.requests.read(rid, RemoteRef("p", host, port, 1, rid), BLOCKS * 16, blocks, blocks,
-                                             30.0))
+            msgs.append(poster.requests.read(rid, RemoteRef("p", host, port, 1, rid, tokens.pop(rid)), BLOCKS * 16,
+                                             blocks, blocks, 30.0))
             tasks.append(asyncio.create_task(finish(rid, slot, t0, fut)))
         assert all(e is None for e in await poster.batch(msgs))
     await asyncio.gather(*tasks)
