@@ -1,4 +1,4 @@
-"""Engine <-> daemon protocol (version 8): msgspec msgpack messages. See docs/protocol.md.
+"""Engine <-> daemon protocol (`PROTOCOL_VERSION`, history below): msgspec msgpack messages. See docs/protocol.md.
 
 Every request is one frame; the daemon answers each with exactly one frame, in order.
 """

@@ -69,7 +69,8 @@ def test_a_prefill_worker_that_dies_leaves_no_hold_and_the_decode_recomputes(pai
     ref, p, d, dd, pd = pair
     prompt = prompts(1, 100, seed=7)[0]
     first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    assert daemon_status(pd).held, "the prefill holds the request for its decode"
+    # the hold leaves with the prefill's next step, after its answer
+    wait_until("the prefill holds the request for its decode", lambda: daemon_status(pd).held, 30)
     workers = _workers(p)
     assert workers, "the prefill's worker process"
     for pid in workers:
