@@ -124,6 +124,7 @@ class Early:
     first: float
     counts: dict[str, int] = field(default_factory=dict)  # read token -> notifications
     senders: dict[str, set[str]] = field(default_factory=dict)  # read token -> agents
+    expects: dict[str, int] = field(default_factory=dict)  # read token -> consumers its last one announced
 
     @property
     def count(self) -> int:
@@ -133,7 +134,7 @@ class Early:
         """The notifications that count for `held`, counted."""
         tokens = [t for t in self.counts if held.admits(t)] if held.read_token else list(self.counts)
         held.count = sum(self.counts[t] for t in tokens)
-        held.expected = self.expected
+        held.expected = max((self.expects[t] for t in tokens), default=0)  # none admitted: not announced
         held.notifiers = set().union(*(self.senders[t] for t in tokens))
 
 
@@ -142,6 +143,9 @@ MAX_EARLY_TOKENS = 16  # tokens early notifications of one request carry; others
 
 # how a hold ended, the agents that notified it, and its engine's registration (epoch)
 Ended = tuple[HoldOutcome, frozenset[str], str]
+# Grants one lease reply carries, in bytes (a decode's link takes replies of up to 64 MiB): the
+# claims beyond are answered "pending" and asked again.
+GRANT_REPLY_BYTES = 32 << 20
 MAX_PINS = 64  # claiming agents pinning one hold; more are told how long it lives, unpinned (granted 0)
 
 
@@ -362,7 +366,7 @@ class Holds:
                 return True
             early.counts[n.token] = early.counts.get(n.token, 0) + 1
             early.senders.setdefault(n.token, set()).add(sender)
-            early.expected = n.expected
+            early.expected = early.expects[n.token] = n.expected
             self._recorder.notification_received("early")
             return True
         self._recorder.notification_received("consumer")
@@ -494,12 +498,13 @@ class Holds:
                                         f"{hs.LEASE_VERSION} and {hs.GRANT_VERSION})", seq=req.seq)
         now = time.monotonic()
         grants = req.version >= hs.GRANT_VERSION
-        answers = [self._claim(c, req.requester, req.extend_s, req.release, now, grants) for c in req.claims]
+        budget = [GRANT_REPLY_BYTES]
+        answers = [self._claim(c, req.requester, req.extend_s, req.release, now, grants, budget) for c in req.claims]
         self._recorder.claims_answered(len(answers))
         return hs.LeaseReply(True, seq=req.seq, answers=answers, agent=self._nixl.name)
 
     def _claim(self, c: hs.Claimed, requester: str, extend_s: float, release: bool, now: float,
-               grants: bool) -> hs.ClaimAnswer:
+               grants: bool, budget: list[int]) -> hs.ClaimAnswer:
         key = (c.engine_id, c.tp_rank, c.request_id)
         held = self._held.get(key)
         if held is not None and not held.admits(c.token):  # neither pinned nor unpinned, nothing granted
@@ -517,6 +522,11 @@ class Holds:
                 self._settle(held, now)
             return hs.ClaimAnswer("held" if self._held.get(key) is held else "consumed", epoch=held.engine.epoch)
         blocks = held.granted if grants and c.grant else []
+        if blocks:
+            size = sum(map(len, blocks))
+            if size > budget[0]:  # this reply is full: asked again, the claimer takes it as not held yet
+                return hs.ClaimAnswer("pending")
+            budget[0] -= size
         if requester not in held.pins and len(held.pins) >= MAX_PINS:
             # not pinned: another consumer's notification may end it
             return hs.ClaimAnswer("held", 0.0, held.engine.epoch, blocks)

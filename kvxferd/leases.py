@@ -78,6 +78,12 @@ class Expectations:
         self._all: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
         self._by_rank: dict[tuple[str, int], dict[ExpectKey, int]] = {}  # rank -> its keys (claims each)
         self._claims = 0
+        self._refused: list[list[ClaimKey]] = []
+
+    def take_refused(self) -> list[list[ClaimKey]]:
+        """What a refused `add` pushed out before finding no room."""
+        dropped, self._refused = self._refused, []
+        return dropped
 
     def __contains__(self, key: ExpectKey) -> bool:
         return key in self._all
@@ -88,10 +94,13 @@ class Expectations:
         rank = key[:2]
         mine = self._by_rank.get(rank, {})
         dropped = []
+        # its own quota, and the daemon's bound when many ranks reach it: room from its own oldest
         while mine and (len(mine) >= MAX_EXPECTS_PER_RANK
-                        or sum(mine.values()) + len(keys) > MAX_EXPECT_CLAIMS_PER_RANK):
+                        or sum(mine.values()) + len(keys) > MAX_EXPECT_CLAIMS_PER_RANK
+                        or len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS):
             dropped.append(self.pop(next(iter(mine))) or [])
         if len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS:
+            self._refused = dropped  # what it gave up is released all the same (`Leases.expect`)
             return None
         self._all[key] = (keys, now)
         self._by_rank.setdefault(rank, {})[key] = len(keys)
@@ -124,7 +133,7 @@ class Expectations:
 class Refusal:
     """Why a read may not be posted: its failure kind and reason."""
 
-    kind: Literal["forbidden", "expired", "deadline"]
+    kind: Literal["forbidden", "expired", "deadline", "stale"]
     reason: str
 
 
@@ -144,12 +153,17 @@ class Claim:
     # per cache group, the block ids the hold grants (sorted), from the first answer that listed
     # them: a READ of this hold touches no other block (docs/security.md)
     granted: list[np.ndarray] | None = None
+    no_grants: bool = False  # its daemon answered "held" to a request for the grant with no blocks (before grants)
+    answered_at: float = 0.0  # wall time the last answer was applied (is it newer than a route's handshake?)
+    notified_at: float = 0.0  # monotonic: a read of ours notified the hold (the pin may be gone since)
 
     def covers(self, t: float, epoch: str) -> bool:
         """Vouched for through `t`, by the registration `epoch` the read was planned against."""
         if epoch and self.epoch and epoch != self.epoch:
             return False
-        return self.state == "consumed" or (self.state == "held" and (self.until > t or self.held_since > t))
+        if self.state == "consumed":  # our notification ended it: it vouches for what ran before that
+            return not self.notified_at or t <= self.notified_at
+        return self.state == "held" and (self.until > t or self.held_since > t)
 
 
 def claim_keys(ref: P.RemoteRef, ranks: Iterable[int]) -> list[ClaimKey]:
@@ -236,7 +250,10 @@ class Leases:
         for key in keys:
             c = self._claims.get(key)
             if c is not None and key[3] in wanted:
-                c.notified = True
+                # Our notification may end the hold (its last consumer): what we were granted
+                # before it holds no further READ; a new one needs a fresh "held" (`grants`).
+                c.notified, c.notified_at = True, time.monotonic()
+                c.until = min(c.until, c.notified_at)
 
     def expect(self, er: tuple[str, int], request_id: str, ref: P.RemoteRef) -> None:
         """An engine will read `ref` for its request: keep the prefill's holds (all its ranks)
@@ -249,6 +266,8 @@ class Leases:
         keys = claim_keys(ref, range(ref.tp_size))
         dropped = self._expects.add(key, keys, time.monotonic())
         if dropped is None:
+            for keys_dropped in self._expects.take_refused():
+                self.release(keys_dropped)
             if self._warned.due("expects"):
                 log.warning("expectations at the daemon's bound (%d, or %d claims): engine %s rank %d's not kept "
                             "(its read still claims; logged at most every %g s)", MAX_EXPECTS, MAX_EXPECT_CLAIMS,
@@ -268,18 +287,23 @@ class Leases:
             self.release(self._expects.pop(key) or [])
 
     # --- what may a read touch -----------------------------------------------
-    def grants(self, keys: list[ClaimKey], agent: str = "") -> list[list[np.ndarray]] | Refusal | None:
-        """The block lists granted to each claim by the daemon `agent` the READs go to; a
-        Refusal: why the read may not be posted (denied, ended, a daemon that grants nothing);
-        None: some are not answered yet, or were answered by another instance of the daemon (a
-        restart behind the address): asked again, `granted` waits."""
+    def grants(self, keys: list[ClaimKey], agent: str = "",
+               planned_at: float = 0.0) -> list[list[np.ndarray]] | Refusal | None:
+        """The block lists granted to each claim, by the daemon `agent` the READs go to (its
+        route handshaken at wall time `planned_at`), and alive now; a Refusal: why the read may
+        not be posted (denied, ended, a daemon that grants nothing; "stale": the claims were
+        answered by a newer daemon behind the route's address); None: some are not answered, or
+        no longer known alive (asked again: `granted` waits)."""
         out = []
+        now = time.monotonic()
         for key in keys:
             c = self._claims.get(key)
             if c is None:
                 return Refusal("expired", "the claim was dropped")
-            if not _same(c, agent):  # that daemon's answers say nothing of this one's holds
-                c.granted, c.state, c.epoch = None, None, ""
+            if not _same(c, agent):
+                if planned_at and c.answered_at > planned_at:  # a newer daemon answered: the route is stale
+                    return Refusal("stale", f"{key[2]}'s daemon was replaced since the route was planned")
+                c.granted, c.state, c.epoch = None, None, ""  # an older one's answers: asked anew
                 if c.asking is None:
                     self._queue(key, c)
                 return None
@@ -288,14 +312,24 @@ class Leases:
                                             "token is not the one its hold was given")
             if c.state == "ended":
                 return Refusal("expired", f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r}")
-            if c.granted is not None:
+            if c.state == "consumed":
+                return Refusal("expired", f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r}")
+            if c.granted is not None and c.state == "held":
+                if c.until <= now:  # its grant passed (or our notification may have ended it): ask again
+                    if c.asking is None:
+                        self._queue(key, c)
+                    return None
                 out.append(c.granted)
+            elif c.granted is not None:  # pending or unanswered again since: not known alive
+                return None
             elif c.state == "consumed":
                 return Refusal("expired", f"prefill rank {key[3]} of {key[2]} no longer holds request {key[4]!r}")
-            elif c.state == "held":  # answered by a daemon from before grants: it lists nothing
+            elif c.state == "held" and c.no_grants:  # a daemon from before grants: it lists nothing
                 return Refusal("forbidden", f"prefill rank {key[3]} of {key[2]}: its daemon grants no blocks (a "
                                             "kvxferd from before read tokens); upgrade it")
-            else:
+            else:  # not answered yet, or "held" to a renewal that did not ask for the grant: ask for it
+                if c.state == "held" and c.asking is None:
+                    self._queue(key, c)
                 return None
         return out
 
@@ -315,11 +349,11 @@ class Leases:
         return Refusal("deadline", "passed before the prefill daemon granted the read's blocks (unreachable, or not "
                                    "answering): nothing was posted yet")
 
-    async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float],
-                      agent: str = "") -> list[list[np.ndarray]] | Refusal:
+    async def granted(self, keys: list[ClaimKey], deadline: Callable[[], float], agent: str = "",
+                      planned_at: float = 0.0) -> list[list[np.ndarray]] | Refusal:
         """`grants` once every claim is answered (asked again while its hold is pending)."""
         while True:
-            answer = self.grants(keys, agent)
+            answer = self.grants(keys, agent, planned_at)
             if answer is not None:
                 return answer
             now, until = time.monotonic(), deadline()
@@ -328,7 +362,7 @@ class Leases:
             waits = []
             for key in keys:
                 claim = self._claims[key]
-                if claim.granted is None:
+                if claim.granted is None or claim.state != "held" or claim.until <= now:
                     if claim.asking is None:
                         self._queue(key, claim)
                     assert claim.asking is not None
@@ -464,8 +498,9 @@ class Leases:
         its answer is applied when it comes (or by `take_answers`, whichever is first)."""
         sent = time.monotonic()  # before the request leaves: a "held" answer vouches from here on
         asked = [self._claims.get(k) for k in keys]  # an answer is for these, not for claims made since
+        grant = [c is None or c.granted is None for c in asked]  # as `_request` asks
         reply = self._send(host, port, self._request(keys, self._extend_s))
-        self._unapplied[reply] = _Asked(host, port, keys, asked, sent)
+        self._unapplied[reply] = _Asked(host, port, keys, asked, sent, grant)
         reply.add_done_callback(self._on_reply)
 
     def _on_reply(self, reply: asyncio.Future[hs.LeaseReply]) -> None:
@@ -508,8 +543,10 @@ class Leases:
             if answers:
                 ans = answers[i]
                 c.state, c.agent, c.epoch = ans.state, agent, ans.epoch or c.epoch
+                c.answered_at = time.time()
                 if ans.blocks and c.granted is None and ans.state == "held":
                     c.granted = unpack_grant(ans.blocks) or []  # malformed: grants no group, refuses all
+                c.no_grants = ans.state == "held" and a.grant[i] and not ans.blocks
                 if ans.state == "held":
                     c.held_since = sent
                     c.until = sent + ans.granted_s * (1 - SKEW) - SKEW
@@ -565,6 +602,7 @@ class _Asked:
     keys: list[ClaimKey]
     asked: list[Claim | None]
     sent: float  # monotonic, before it left
+    grant: list[bool]  # per claim: the request asked for the hold's block lists
 
 
 CLAIMS_PER_REQUEST = 256  # their answers may carry grants: a reply stays far under sidelink.MAX_REPLY

@@ -501,20 +501,28 @@ class Reads:
             t.read_claims = claim_keys(t.msg.remote, t.read_ranks)
             self._leases.acquire(t.read_claims)
             t.claims += t.read_claims
-            grants = self._leases.grants(t.read_claims, route.agent)
+            grants = self._leases.grants(t.read_claims, route.agent, route.peer.since)
             if grants is None:  # not granted yet (a read the engine did not announce): posted once it is
                 self._leases.flush()
                 self._spawn(t, self._post_when_granted(t, route))
                 return
-            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch,
-                                                                          route.agent):
-                self._unclaim_reads(t)
-                raise StaleRoute("the prefill engine registered again since the route was planned")
+            self._check_route(t, route, grants)
             if not self._admitted(t, grants):
                 return
             if early:
                 self._leases.flush()
         self._post_granted(t, route, reading, early)
+
+    def _check_route(self, t: Transfer, route: Route, grants: list[list[np.ndarray]] | Refusal) -> None:
+        """StaleRoute (nothing read, its claims let go) when the grants show the route names
+        memory that is gone: a newer daemon, or a newer registration of the engine, answered."""
+        assert self._leases is not None
+        if isinstance(grants, Refusal) and grants.kind == "stale":
+            self._unclaim_reads(t)
+            raise StaleRoute(grants.reason)
+        if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch, route.agent):
+            self._unclaim_reads(t)
+            raise StaleRoute("the prefill engine registered again since the route was planned")
 
     def _unclaim_reads(self, t: Transfer) -> None:
         """Nothing was read on this route: the retry claims anew on its own."""
@@ -527,7 +535,7 @@ class Reads:
         """A READ touches only blocks the hold grants (docs/security.md): else the read fails
         before a byte moves, naming the blocks it may not read."""
         if isinstance(grants, Refusal):
-            self._fail(t, grants.kind, grants.reason)
+            self._fail(t, "transfer" if grants.kind == "stale" else grants.kind, grants.reason)
             return False
         for rank, granted in zip(t.read_ranks, grants):
             outside = ungranted(granted, t.blocks.remote)
@@ -540,14 +548,12 @@ class Reads:
 
     async def _post_when_granted(self, t: Transfer, route: Route) -> None:
         assert self._leases is not None
-        grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t), route.agent)
+        grants = await self._leases.granted(t.read_claims, functools.partial(self._deadline, t), route.agent,
+                                            route.peer.since)
         if t.done:
             return
         try:
-            if not isinstance(grants, Refusal) and self._leases.restarted(t.read_claims, route.peer.epoch,
-                                                                          route.agent):
-                self._unclaim_reads(t)
-                raise StaleRoute("the prefill engine registered again since the route was planned")
+            self._check_route(t, route, grants)
             if not self._admitted(t, grants):
                 return
             reading = t.reads_on(route)

@@ -92,3 +92,21 @@ def test_a_hold_refuses_a_short_token_and_a_renewal_under_another():
             c.prefill.hold(2, blocks, 30.0, read_token="short")
         with pytest.raises(DemoError, match="another read_token"):
             c.prefill.hold(1, blocks, 30.0, read_token=new_read_token())
+
+
+def test_a_grant_is_not_reused_once_the_hold_it_came_from_ended():
+    """A decode engine announces a second local request for a prefill request, then reads it
+    once: that read's notice ends the hold `sent` (its one consumer) and the prefill engine
+    reuses the blocks. The announced second read's grant is no longer alive: it fails, and no
+    READ reaches the reused blocks."""
+    with Cluster(SHAPE, 1, 1, metrics=True) as c:
+        c.transfer(0, TOKENS)
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        c.decode.expect(2, c.remote(1))  # granted now, for the read that comes second
+        assert c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"]
+        c.prefill.reuse(blocks, 3)  # another prompt's KV in the freed blocks
+        reads = nixl_transfers(c, 1)
+        out = c.decode.decode(2, TOKENS, c.remote(1), blocks, 0, 3.0, c.p_shape)
+        assert out["status"] == "failed" and "no longer holds" in out["reason"], out["reason"]
+        assert nixl_transfers(c, 1) == reads
