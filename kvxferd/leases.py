@@ -60,6 +60,7 @@ RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no
 # second); one that got no answer (refused, timed out) after 1 s, doubling to 10 s.
 PENDING_RETRY_S, PENDING_RETRY_MAX_S = 0.05, 2.0
 UNANSWERED_RETRY_S, UNANSWERED_RETRY_MAX_S = 1.0, 10.0
+MAX_UNREAD = 4096  # claims remembered as let go after a failed read (`Leases.acquire`)
 SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds: clock rates and rounding
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
@@ -196,6 +197,7 @@ class Leases:
         self._timeout_s = timeout_s
         self._max_expect_s = max_expect_s
         self._claims: dict[ClaimKey, Claim] = {}
+        self._unread: dict[ClaimKey, bool] = {}  # claims let go after a failed read, most recent last
         self._queued: dict[tuple[str, int], set[ClaimKey]] = {}  # by peer address, sent at the turn's end
         self._unclaim: dict[tuple[str, int], set[ClaimKey]] = {}  # released unread: unpinned at the turn's end
         self._flushing = False
@@ -219,6 +221,10 @@ class Leases:
             c = self._claims.get(key)
             if c is None:
                 c = self._claims[key] = Claim()
+                # A read of ours that needed this hold failed moments ago (its claim ended with
+                # it): this claim's pin is let go at its end too, notified or not, or it would
+                # keep the hold past its lease for a consumer that never comes.
+                c.unread = self._unread.pop(key, False)
             c.holders += 1
             unclaim = self._unclaim.get((key[0], key[1]))
             if unclaim is not None:  # released and claimed again this turn: its unpin must not follow the claim
@@ -239,6 +245,10 @@ class Leases:
                 c.unread = c.unread or unread
                 if c.holders <= 0:
                     del self._claims[key]
+                    if c.unread:
+                        self._unread[key] = True
+                        if len(self._unread) > MAX_UNREAD:
+                            del self._unread[next(iter(self._unread))]
                     if (c.state == "held" or c.asking is not None) and (c.unread or not c.notified):
                         self._unclaim.setdefault((key[0], key[1]), set()).add(key)
                         self._schedule_flush()

@@ -579,3 +579,23 @@ def test_a_peer_address_zmq_refuses_does_not_hold_up_other_peers_claims():
         for task in list(leases._tasks):
             task.cancel()
     asyncio.run(main())
+
+
+def test_a_claim_made_again_after_a_failed_read_lets_its_pin_go_at_its_end():
+    """Two decode ranks read one prefill rank: one fails before the other claims (separate claim
+    lifetimes), the other reads and notifies. The hold waits for two consumers and gets one: our
+    pin must go, or the hold outlives its lease by a whole claim for a consumer that never comes."""
+    async def main() -> None:
+        er, holds, leases, k = held_and_claimed(0.2, 20.0)
+        leases.acquire(k)
+        await asyncio.sleep(0.05)  # granted: pinned 20 s
+        leases.release(k, unread=True)  # the first read failed
+        await asyncio.sleep(0.05)
+        leases.acquire(k)  # the second read's claim
+        await asyncio.sleep(0.05)
+        leases.notified(k, [0])
+        leases.release(k)  # it was received and notified
+        await asyncio.sleep(0.3)
+        holds.expire(time.monotonic())
+        assert er.done == [("r1", "expired")], "the pin outlived both reads"
+    asyncio.run(main())
