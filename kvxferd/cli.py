@@ -109,18 +109,36 @@ app.add_typer(keys_app, name="keys")
 @keys_app.command("generate")
 def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAME.key and NAME.key_secret."),
                   name: str = typer.Option("kvxferd"),
+                  owner: str = typer.Option("", "--owner", help="The daemon's user: DIRECTORY and the keys become "
+                                                               "its own, DIRECTORY 0700 (run as root)."),
                   force: bool = typer.Option(False, "--force", help="Replace an existing keypair of that name.")
                   ) -> None:
-    """Create a CurveZMQ keypair (set curve_secret_key_file / curve_authorized_keys_dir to use it).
+    """Create this daemon's CurveZMQ keypair, and DIRECTORY/authorized with its public half: the keys
+    the daemon admits (copy each peer daemon's NAME.key there). The daemon's configuration:
+    curve_secret_key_file = DIRECTORY/NAME.key_secret (curve_authorized_keys_dir defaults to
+    DIRECTORY/authorized). One keypair copied to every node instead works too (docs/security.md says
+    what it gives up).
 
     An existing keypair is never overwritten unless --force is given."""
-    from .handshake import KeysExist, generate_keys
+    import pwd
 
+    from .identity import KeysExist, generate_keys
+
+    ids = None
+    if owner:
+        try:
+            user = pwd.getpwnam(owner)
+        except KeyError:
+            fail(f"--owner {owner}: no such user")
+        ids = (user.pw_uid, user.pw_gid)
     try:
-        public, secret = generate_keys(str(directory), name, force)
+        public, secret = generate_keys(str(directory), name, force, ids)
     except KeysExist as exc:
         fail(str(exc))
-    typer.echo(f"public key: {public}\nsecret key: {secret} (keep it private: mode 0600)")
+    except PermissionError as exc:
+        fail(f"{exc} (--owner needs root)")
+    typer.echo(f"public key: {public} (copy it into each peer daemon's {directory.name}/authorized)\n"
+               f"secret key: {secret} (mode 0600{', owned by ' + owner if owner else ''}: the daemon's user alone)")
 
 
 @bench_app.command("plan")

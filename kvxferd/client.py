@@ -205,6 +205,7 @@ class Requests:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         # Protocol 8 block lists travel packed: the daemon decodes 4 bytes an id, not a Python int
         self._blocks = _packed if version >= 8 else _listed
+        self._keys = version >= 12  # a daemon before 12 refuses a remote naming its daemon's key
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
                  fds: Sequence[int] = (), doorbell: int | None = None) -> tuple[P.Register, list[int]]:
@@ -235,11 +236,15 @@ class Requests:
 
     def read(self, request_id: str, remote: P.RemoteRef, num_tokens: int, local_blocks: BlockLists,
              remote_blocks: BlockLists, deadline_s: float, audit: bool | None = None) -> P.Read:
-        return P.Read(self.engine_id, self.rank, request_id, remote, num_tokens, self._blocks(local_blocks),
-                      self._blocks(remote_blocks), deadline_s, audit)
+        return P.Read(self.engine_id, self.rank, request_id, self._remote(remote), num_tokens,
+                      self._blocks(local_blocks), self._blocks(remote_blocks), deadline_s, audit)
 
     def expect(self, request_id: str, remote: P.RemoteRef) -> P.Expect:
-        return P.Expect(self.engine_id, self.rank, request_id, remote)
+        return P.Expect(self.engine_id, self.rank, request_id, self._remote(remote))
+
+    def _remote(self, remote: P.RemoteRef) -> P.RemoteRef:
+        # the daemon dials its default server key instead (the shared-key deployment)
+        return remote if self._keys or not remote.daemon_key else msgspec.structs.replace(remote, daemon_key="")
 
     def poll(self, wait_s: float, max_items: int) -> P.Poll:
         return P.Poll(self.engine_id, self.rank, wait_s, max_items)
@@ -320,6 +325,8 @@ class EngineClient:
         self.token = ""  # from `register`: what another process passes to `attach`
         self.agent = ""  # from `register`: the daemon's NIXL agent (a new one: the daemon restarted)
         self.max_lease_s = 0.0  # from `register` (protocol 6): how long claims may keep a hold
+        # from `register` (protocol 12): the daemon's public key, what readers name (RemoteRef.daemon_key)
+        self.daemon_key = ""
 
     def register(self, geometry: Geometry, shm_fds: Sequence[int] = (), memory: Sequence[P.MemoryHandle] = (),
                  fds: Sequence[int] = (), doorbell: bool = False, records: bool = False, ring: bool = True) -> str:
@@ -360,7 +367,7 @@ class EngineClient:
         self.doorbell, self.side_channel, self.token = bell, reply.side_channel, reply.token
         self._records = Records() if bell is not None and reply.doorbell_records else None
         self._counter, self._ring = counter, in_ring
-        self.agent, self.max_lease_s = reply.agent, reply.max_lease_s
+        self.agent, self.max_lease_s, self.daemon_key = reply.agent, reply.max_lease_s, reply.side_channel_key
         return self.side_channel
 
     @classmethod
@@ -572,6 +579,7 @@ class AsyncEngineClient:
         self.requests = Requests(engine_id, rank, tp_size, rpc.version)
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.token = ""  # from `register`: what another connection passes to `attach`
+        self.daemon_key = ""  # from `register` (protocol 12): the daemon's public key
 
     @classmethod
     async def connect(cls, socket_path: str, engine_id: str, rank: int, tp_size: int) -> AsyncEngineClient:
@@ -581,7 +589,7 @@ class AsyncEngineClient:
                        memory: Sequence[P.MemoryHandle] = (), fds: Sequence[int] = ()) -> str:
         msg, sent = self.requests.register(geometry, shm_fds, memory, fds)
         reply = await self.rpc.call(msg, P.Registered, sent)
-        self.token = reply.token
+        self.token, self.daemon_key = reply.token, reply.side_channel_key
         return reply.side_channel
 
     async def attach(self, token: str) -> None:

@@ -160,6 +160,15 @@ def check_side_channel(cfg: Config) -> str | None:
         "(KVXFERD_SIDE_CHANNEL_INSECURE=1, --side-channel-insecure)")
 
 
+def authorized_keys_dir(cfg: Config) -> str:
+    """The public keys a daemon admits: curve_authorized_keys_dir; unset, the `authorized`
+    directory beside the secret key (`kvxferd keys generate` makes it), else the secret's own."""
+    if cfg.curve_authorized_keys_dir:
+        return cfg.curve_authorized_keys_dir
+    beside = os.path.join(os.path.dirname(cfg.curve_secret_key_file), "authorized")
+    return beside if os.path.isdir(beside) else os.path.dirname(cfg.curve_secret_key_file)
+
+
 def check_curve_files(cfg: Config) -> None:
     """The configured CurveZMQ files exist (a missing Secret or volume mount fails here, by name)."""
     if not cfg.curve_secret_key_file:
@@ -170,8 +179,9 @@ def check_curve_files(cfg: Config) -> None:
         raise ConfigError(f"curve_secret_key_file {cfg.curve_secret_key_file} does not exist: {hint}")
     if not os.access(cfg.curve_secret_key_file, os.R_OK):
         raise ConfigError(f"curve_secret_key_file {cfg.curve_secret_key_file} is not readable by uid "
-                          f"{os.geteuid()}: give the daemon's user read access (mode 0640, its group)")
-    authorized = cfg.curve_authorized_keys_dir or os.path.dirname(cfg.curve_secret_key_file)
+                          f"{os.geteuid()}: the key belongs to the daemon's user (`kvxferd keys generate DIR "
+                          "--owner USER`, or chown -R USER DIR), never to the engines' group")
+    authorized = authorized_keys_dir(cfg)
     if not os.path.isdir(authorized):
         raise ConfigError(f"curve_authorized_keys_dir {authorized} does not exist: {hint}")
     if cfg.curve_server_key_file and not os.path.isfile(cfg.curve_server_key_file):

@@ -34,11 +34,12 @@ import zmq.asyncio
 from . import __version__, integrity
 from . import handshake as hs
 from . import protocol as P
-from .config import Config, is_loopback, is_wildcard
+from .config import Config, authorized_keys_dir, is_loopback, is_wildcard
 from .copier import Copier
 from .doorbell import ring_supported
 from .engines import EngineRank, Engines
 from .holds import Holds
+from .identity import PeerKeys, load_curve
 from .lanes import Lanes
 from .leases import Leases
 from .liveness import Liveness
@@ -82,6 +83,7 @@ class Daemon:
         self._socket_gid: int | None = None
         self._wake = Wake()  # a READ was posted or a hold arrived: progress NIXL now
         self.pace = Pace(cfg.spin_s, cfg.idle_poll_s, cfg.idle_max_s, cfg.idle_hot_s)
+        self._misattributed_warned = Throttle(60.0)  # by sending key
         self.readers = Readers()  # whether peers reading our memory need our progress (serving.py)
         self.recorder.serving_unasked(lambda: self.readers.unasked(time.monotonic()))
         self.metrics_port = 0
@@ -91,14 +93,14 @@ class Daemon:
         cfg = self.cfg
         for key, value in cfg.ucx.items():
             os.environ[key] = value
-        self.nixl = NixlDriver(cfg.name, tuple(cfg.backends), progress_thread=cfg.nixl_progress_thread,
-                               threads=cfg.nixl_threads)
-        self.zmq = zmq.asyncio.Context()
-        self.curve = None
+        self.keys = None  # our CurveZMQ identity and our peers' (identity.py)
         if cfg.curve_secret_key_file:
-            self.curve = hs.load_curve(cfg.curve_secret_key_file,
-                                       cfg.curve_authorized_keys_dir or os.path.dirname(cfg.curve_secret_key_file),
-                                       cfg.curve_server_key_file)
+            self.keys = PeerKeys(load_curve(cfg.curve_secret_key_file, authorized_keys_dir(cfg),
+                                            cfg.curve_server_key_file))
+        # with Curve our agent's name ends with our key's fingerprint: peers attribute it to us alone
+        self.nixl = NixlDriver(cfg.name, tuple(cfg.backends), progress_thread=cfg.nixl_progress_thread,
+                               threads=cfg.nixl_threads, name_suffix=self.keys.fingerprint if self.keys else "")
+        self.zmq = zmq.asyncio.Context()
         self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
         self.engines = Engines(self.nixl, self.recorder, self.lanes, cfg.max_ranks_per_uid)
         self.digester = integrity.Digester("digest")  # our engines' holds and reads
@@ -106,11 +108,11 @@ class Daemon:
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
                            self.digester, self.audit_digester, cfg.max_holds_per_engine)
         own = OwnSide(self._is_own_address, self._answer_side_channel)  # same-node reads: answered in-process
-        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.curve, self.lanes,
+        self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.keys, self.lanes,
                            cfg.max_plan_descriptors,
                            SelfPeer(own, self.engines.serving, cfg.host_lane, cfg.same_node_uids == "any"))
         self.copier = Copier(cfg.copy_threads)
-        self.links = Links(self.zmq, self.curve, own)
+        self.links = Links(self.zmq, self.keys, own)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
                              cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
         self.notices = Notices(self.links, self.recorder, self.nixl.name)
@@ -121,7 +123,7 @@ class Daemon:
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
-                                            self._answer_side_channel, self.curve)
+                                            self._answer_side_channel, self.keys, self._on_misattributed)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
         group = self._socket_gid = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         self.unix_sock, accept = await serve_unix(cfg.socket_path, self._on_connect, self._on_frame,
@@ -328,6 +330,12 @@ class Daemon:
         self.pace.active(now)
         self._wake.set()
 
+    def _on_misattributed(self, req: hs.SideRequest, sender: str) -> None:
+        self.recorder.misattributed(str(req.__struct_config__.tag))
+        if self._misattributed_warned.due(sender):
+            log.warning("side channel: refused a %s request from key %s in the name of %s, not its own agent",
+                        str(req.__struct_config__.tag), sender, hs.printable(getattr(req, "requester", "")[:80]))
+
     def _on_refused_peer(self, event: int) -> None:
         self.recorder.peer_refused_at_auth()
         log.warning("side channel: refused a peer at the ZMTP handshake (event %d: no or wrong CurveZMQ key)",
@@ -445,7 +453,8 @@ class Daemon:
                     counter = er.doorbell is not None and er.doorbell.counter is not None  # a page was made
                     ring = er.doorbell is not None and er.doorbell.ring  # a ring implies its page
                 return P.Registered(self.cfg.side_channel, self.nixl.name, pipe, er.token, self.cfg.max_lease_s,
-                                    records, counter, ring).for_version(version)
+                                    records, counter, ring,
+                                    self.keys.public if self.keys else "").for_version(version)
             case P.Attach(engine_id=engine_id, tp_rank=rank, token=token):
                 er = self._rank(engine_id, rank, None)
                 if not secrets.compare_digest(token.encode(), er.token.encode()):
@@ -572,7 +581,7 @@ class Daemon:
         return P.Status(
             version=__version__, agent=self.nixl.name, uptime_s=time.time() - self.started,
             socket=cfg.socket_path, side_channel=cfg.side_channel,
-            side_channel_auth="curve" if self.curve else "none",
+            side_channel_auth="curve" if self.keys else "none", side_channel_key=self.keys.public if self.keys else "",
             metrics=f"{cfg.metrics_host}:{self.metrics_port}" if self._http is not None else None,
             engines=engines[:rows],
             peers=peers[:rows],

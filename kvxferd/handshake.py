@@ -34,8 +34,6 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -44,6 +42,7 @@ import zmq.asyncio
 from msgspec import Meta
 
 from . import protocol as P
+from .identity import CurveKeys, PeerKeys, speaks_for
 from .plan.geometry import Geometry, Segment
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
@@ -349,64 +348,6 @@ def explain_mismatch(local: Geometry, remote: Geometry) -> str:
     return "compatibility hash mismatch; " + "; ".join(diffs)
 
 
-@dataclass(frozen=True)
-class CurveKeys:
-    """CurveZMQ identity of this daemon and the server key it expects from peers.
-
-    The simplest deployment shares one keypair across the cluster: every daemon presents it
-    and trusts it (`authorized_dir` holds its public half). Per-node keypairs work too: put
-    every node's public key in `authorized_dir` and give the servers' key as `server_public`.
-    """
-
-    public: bytes
-    secret: bytes
-    server_public: bytes
-    authorized_dir: str
-
-
-def load_curve(secret_file: str, authorized_dir: str, server_key_file: str = "") -> CurveKeys:
-    import zmq.auth
-
-    public, secret = zmq.auth.load_certificate(secret_file)
-    if not secret:
-        raise ValueError(f"{secret_file} holds no secret key")
-    if not Path(authorized_dir).is_dir():
-        raise ValueError(f"curve authorized keys directory {authorized_dir} does not exist")
-    server = zmq.auth.load_certificate(server_key_file)[0] if server_key_file else public
-    return CurveKeys(public, secret, server, authorized_dir)
-
-
-class KeysExist(FileExistsError):
-    """A keypair of that name is there already (replace it with force=True)."""
-
-
-def generate_keys(directory: str, name: str = "kvxferd", force: bool = False) -> tuple[str, str]:
-    """Write a CurveZMQ keypair in pyzmq's certificate format (`name.key` public,
-    `name.key_secret`); returns both paths. Each file is created with its final mode (the
-    secret never readable by others, whatever the umask), O_EXCL and O_NOFOLLOW: no overwrite,
-    no write through a planted symlink. An existing pair raises KeysExist unless `force`."""
-    import datetime
-    import os
-
-    Path(directory).mkdir(parents=True, exist_ok=True, mode=0o700)
-    public, secret = Path(directory) / f"{name}.key", Path(directory) / f"{name}.key_secret"
-    existing = [str(p) for p in (public, secret) if p.exists() or p.is_symlink()]
-    if existing and not force:
-        raise KeysExist(f"{', '.join(existing)} already exist(s); pass --force to replace the keypair")
-    pub_key, sec_key = (k.decode() for k in zmq.curve_keypair())
-    now = datetime.datetime.now().isoformat(timespec="seconds")
-    body = f'metadata\ncurve\n    public-key = "{pub_key}"\n'
-    for path, mode, text in ((secret, 0o600, f"#   ZeroMQ CURVE **Secret** Certificate ({now})\n#   keep it private\n\n"
-                              f'{body}    secret-key = "{sec_key}"\n'),
-                             (public, 0o644, f"#   ZeroMQ CURVE Public Certificate ({now})\n\n{body}")):
-        if force:
-            path.unlink(missing_ok=True)  # a fresh file, not a write through an old one's mode or a symlink
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-    return str(public), str(secret)
-
-
 SideRequest = HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest | ServeRequest
 SideReply = HandshakeReply | AuditReply | ProbeReply | LeaseReply
 Answer = Callable[[SideRequest], "SideReply | Awaitable[SideReply] | None"]  # None: nothing to answer
@@ -417,20 +358,22 @@ class HandshakeServer:
     """ROUTER socket answering handshake and audit requests with `answer(request) -> reply`."""
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer: Answer,
-                 curve: CurveKeys | None = None) -> None:
+                 keys: PeerKeys | None = None,
+                 on_misattributed: Callable[[SideRequest, str], None] | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_AUDIT_ROWS * 16 + 4096)  # audits name their rows
         self.auth = None
-        if curve is not None:
+        if keys is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
             self.auth = AsyncioAuthenticator(ctx)
             self.auth.start()
-            self.auth.configure_curve(domain="*", location=curve.authorized_dir)
-            self.sock.curve_secretkey = curve.secret
-            self.sock.curve_publickey = curve.public
+            self.auth.configure_curve_callback(domain="*", credentials_provider=keys.authorized)
+            self.sock.curve_secretkey = keys.curve.secret
+            self.sock.curve_publickey = keys.curve.public
             self.sock.curve_server = True
+        self._on_misattributed = on_misattributed or (lambda req, sender: None)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -458,11 +401,14 @@ class HandshakeServer:
         while True:
             if len(pending) >= MAX_ANSWERS_PENDING:
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            parts = await self.sock.recv_multipart()
-            if len(parts) != 3 or parts[1] != b"":
+            frames = await self.sock.recv_multipart(copy=False)
+            if len(frames) != 3 or frames[1].bytes != b"":
                 continue  # not a REQ socket's envelope: nothing to answer
+            parts = [f.bytes for f in frames]
             try:
-                reply = self.answer(_req_decoder.decode(parts[2]))
+                req = _req_decoder.decode(parts[2])
+                sender = str(frames[2].get("User-Id")) if self.auth is not None else None
+                reply = self.answer(req) if sender is None else self._attributed(req, sender)
             except DECODE_ERRORS as exc:
                 # A notice (or serve request) is never answered, not even its refusal: on a link (sidelink.py) a
                 # reply without seq would be taken for the refusal of the oldest lease claim.
@@ -481,6 +427,21 @@ class HandshakeServer:
                 task = asyncio.ensure_future(self._answer_later(parts[0], reply))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
+
+    def _attributed(self, req: SideRequest, sender: str) -> SideReply | Awaitable[SideReply] | None:
+        """`req` answered if its requester is the sender's (identity.py), else refused: a claim or
+        a handshake in another daemon's name is told so, a notice is dropped (and reported)."""
+        requester = getattr(req, "requester", "")
+        if speaks_for(requester, sender):
+            return self.answer(req)
+        self._on_misattributed(req, sender)
+        reason = (f"requester {printable(requester[:80])} is not the agent of the key this request came with "
+                  f"({sender}): a daemon speaks only for itself")
+        if isinstance(req, LeaseRequest):
+            return LeaseReply(False, reason, req.seq)
+        if isinstance(req, HandshakeRequest):
+            return HandshakeReply(False, reason)
+        return None
 
     async def _answer_later(self, identity: bytes, reply: Awaitable[SideReply]) -> None:
         try:

@@ -62,15 +62,17 @@ def nixl_api() -> ModuleType:
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
                  telemetry: bool = True, progress_thread: bool = True, threads: int = 0,
-                 shared: bool = False) -> None:
-        """`threads` > 0: the UCX backend's own worker threads, which split a transfer's
+                 shared: bool = False, name_suffix: str = "") -> None:
+        """`name_suffix`: the daemon key's fingerprint (identity.py).
+
+        `threads` > 0: the UCX backend's own worker threads, which split a transfer's
         descriptors among them (NIXL's `num_threads`). `shared`: more than one thread calls
         this agent (NIXL serializes its calls; see lanes.py)."""
         api = nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         # 64 random bits: peers' notifications name their sender as the sender itself declares
         # it (holds.py trusts agents that handshook), so a name must not be guessable.
-        self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(8)}" + (f"-{name_suffix}" if name_suffix else "")
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    capture_telemetry=telemetry, backends=list(backends), num_threads=threads,

@@ -52,6 +52,7 @@ from . import handshake as hs
 from . import protocol as P
 from .deadline import until_deadline
 from .engines import EngineKey, EngineRank
+from .identity import CurveKeys, KeyRefused, PeerKeys
 from .lanes import Lanes
 from .memory import MemType
 from .nixl_driver import NixlDriver, PreparedList
@@ -194,7 +195,7 @@ class Route:
 
 class Peers:
     def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
-                 curve: hs.CurveKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27,
+                 keys: PeerKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27,
                  self_peer: SelfPeer | None = None) -> None:
         self._ctx = ctx
         self._self = self_peer
@@ -203,7 +204,7 @@ class Peers:
         self._lanes = lanes
         self._recorder = recorder
         self._timeout_s = timeout_s
-        self._curve = curve
+        self._keys = keys
         self._peers: dict[PeerKey, Peer] = {}
         self.routes: dict[RouteKey, Route] = {}  # ready routes of live peers (the reads' fast path)
         self._retired: dict[Route, Peer] = {}  # routes of retired peers, until no read uses them
@@ -213,10 +214,11 @@ class Peers:
     async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: Callable[[], float]) -> Route:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new.
         `deadline()`: the read's deadline now (a pause of this daemon moves it on)."""
+        dial = self._dial(ref)
         route = self.routes.get((peer_key(ref), er.key))
         if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             return route
-        peer = await self._peer(ref, deadline)
+        peer = await self._peer(ref, deadline, dial)
         if er.closing:  # unregistered while the handshake ran: no route for memory about to go
             raise PlanError(f"engine {er.engine_id} rank {er.tp_rank} unregistered during the handshake")
         if peer.retired:  # while this read waited (its engine closed here, or it went silent)
@@ -236,14 +238,14 @@ class Peers:
         """Ask the peer's side channel for the digests of rows a read took from it."""
         if self._self is not None and self.is_self(ref.host, ref.port):
             return await self._self.side.ask(req, hs.AuditReply)
-        return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._curve)
+        return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._at(ref.host, ref.port))
 
     async def probe(self, peer: Peer, timeout_s: float) -> hs.ProbeReply:
         """Ask the peer's side channel whether its engine is still registered, and as which epoch."""
         if self._self is not None and peer.local:
             return await self._self.side.ask(hs.ProbeRequest(hs.HANDSHAKE_VERSION, peer.engine_id), hs.ProbeReply)
         return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
-                              self._curve)
+                              self._at(peer.host, peer.port))
 
     def is_self(self, host: str, port: int) -> bool:
         """`host:port` is this daemon's own side channel (as it advertises it, or on loopback)."""
@@ -253,13 +255,28 @@ class Peers:
         """Live peers whose handshake is done (what liveness.py watches)."""
         return [p for p in self._peers.values() if p.ready.done()]
 
-    async def _peer(self, ref: P.RemoteRef, deadline: Callable[[], float]) -> Peer:
+    def _dial(self, ref: P.RemoteRef) -> CurveKeys | None:
+        """The keys a handshake with `ref`'s daemon dials: the daemon key the read names (it must
+        be authorized: HandshakeError), else the key that address proved, else the default."""
+        if self._keys is None:
+            return None
+        if not ref.daemon_key:
+            return self._keys.at(ref.host, ref.port)
+        try:
+            return self._keys.curve.dialing(self._keys.named(ref.daemon_key))
+        except KeyRefused as exc:
+            raise hs.HandshakeError("refused", f"{ref.host}:{ref.port}: {exc}") from None
+
+    def _at(self, host: str, port: int) -> CurveKeys | None:
+        return self._keys.at(host, port) if self._keys is not None else None
+
+    async def _peer(self, ref: P.RemoteRef, deadline: Callable[[], float], dial: CurveKeys | None) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(peer_key(ref))
         if peer is None:
             peer = self._peers[peer_key(ref)] = Peer(ref.engine_id, ref.host, ref.port,
                                                      asyncio.get_running_loop().create_future())
-            task = asyncio.get_running_loop().create_task(self._handshake(peer))
+            task = asyncio.get_running_loop().create_task(self._handshake(peer, dial))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
             self._changed()
@@ -267,7 +284,7 @@ class Peers:
         await until_deadline(asyncio.shield(peer.ready), deadline)
         return peer
 
-    async def _handshake(self, peer: Peer) -> None:
+    async def _handshake(self, peer: Peer, dial: CurveKeys | None) -> None:
         t0 = time.perf_counter()
         try:
             local = self._self is not None and self.is_self(peer.host, peer.port)
@@ -278,7 +295,7 @@ class Peers:
                     raise hs.HandshakeError("refused", f"this daemon ({peer.address}): {reply.reason}")
             else:
                 reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
-                                         self._nixl.name, self._curve)
+                                         self._nixl.name, dial)
             if not local and reply.agent == self._nixl.name:
                 # Our agent's name is no secret (every request of ours carries it): a peer that
                 # answers with it is this daemon under an address it does not know as its own, or
@@ -298,6 +315,8 @@ class Peers:
                 for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
                     peer.agent = self._nixl.add_peer(blob)
                 peer.metadata = metadata  # posting lanes load it on first use
+            if dial is not None and self._keys is not None and not local:
+                self._keys.proved(peer.host, peer.port, dial.server_public)  # links and probes dial it too
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             peer.epoch, peer.heard, peer.notices, peer.serve = reply.epoch, time.monotonic(), reply.notices, reply.serve
             peer.used = peer.probed = peer.heard

@@ -21,9 +21,11 @@ from .plan.geometry import Geometry
 # pipe (`register.doorbell_records`, see doorbell.py), 8 packed block lists (`Blocks`), 9 the
 # doorbell's counter page, 10 its completion ring (`register.doorbell_ring`), 11 read tokens
 # (`hold.read_token`, `remote.read_token`: a hold is a capability, see docs/security.md); older
-# clients are served (their holds carry no token: any reader may read the blocks they name)
-PROTOCOL_VERSION = 11
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+# clients are served (their holds carry no token: any reader may read the blocks they name), 12
+# daemon keys (`registered.side_channel_key`, `remote.daemon_key`: a read dials the prefill
+# daemon's own CurveZMQ key, see identity.py)
+PROTOCOL_VERSION = 12
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 MAX_FRAME = 64 << 20  # bytes; a frame announcing more is refused
 
 # Static bounds, checked while decoding (the daemon's configuration narrows lease and deadline).
@@ -40,6 +42,8 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 # MIN_READ_TOKEN characters, e.g. 32 hex digits of 128 random bits (client.new_read_token).
 ReadToken = Annotated[str, Meta(max_length=128)]
 MIN_READ_TOKEN = 32
+# A daemon's CurveZMQ public key in Z85 (protocol 12); "": the decode daemon's default server key.
+DaemonKey = Annotated[str, Meta(pattern=r"^$|^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")]
 MAX_BLOCK_ID = (1 << 31) - 1
 # One cache group's block ids: a msgpack array of ints, or (protocol 8) packed, little-endian
 # int32 in a bin: 4 bytes an id, decoded without a Python int each (`block_array`).
@@ -169,6 +173,9 @@ class RemoteRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tp_size: TpSize
     request_id: Name
     read_token: ReadToken = ""  # protocol 11: the prefill hold's token (Hold.read_token)
+    # protocol 12: the prefill daemon's public key (its Registered.side_channel_key), which the
+    # decode daemon must have authorized; "": its default server key
+    daemon_key: DaemonKey = ""
 
 
 class Read(Msg, tag="read"):
@@ -251,12 +258,15 @@ class Registered(Msg, tag="registered", omit_defaults=True):
     doorbell_records: bool = False  # protocol 7: the doorbell carries completion records (doorbell.py)
     doorbell_counter: bool = False  # protocol 9: the counter page's memfd came after the pipe's read end
     doorbell_ring: bool = False  # protocol 10: that page is a ring page, and the records are in it
+    # protocol 12: this daemon's CurveZMQ public key (Z85; "" without Curve): what a prefill puts
+    # in kv_transfer_params (remote_daemon_key) for the decode daemon to dial
+    side_channel_key: str = ""
 
     def for_version(self, version: int) -> Registered:
         """This reply as a client of `version` can decode it: fields it predates left at their
         default (and so not sent)."""
         since = {"doorbell": (3, False), "token": (3, ""), "max_lease_s": (6, 0.0), "doorbell_records": (7, False),
-                 "doorbell_counter": (9, False), "doorbell_ring": (10, False)}
+                 "doorbell_counter": (9, False), "doorbell_ring": (10, False), "side_channel_key": (12, "")}
         older = {name: default for name, (v, default) in since.items() if version < v}
         return msgspec.structs.replace(self, **older) if older else self
 
@@ -339,6 +349,7 @@ class Counters(msgspec.Struct):
     handshakes: int = 0
     handshake_failures: int = 0
     unauthenticated_peers: int = 0
+    misattributed: int = 0  # side-channel requests in another daemon's name than their key's: refused
     forbidden: int = 0  # requests naming a rank from a connection that may not act for it
     integrity_failures: int = 0  # audited reads whose bytes did not match the prefill's digests
     quarantined: int = 0  # reads that failed while NIXL still ran them (their memory stayed pinned)
@@ -399,6 +410,7 @@ class Status(msgspec.Struct):
     latency_us: Latency
     failures: list[FailureRecord]
     totals: Totals
+    side_channel_key: str = ""  # the daemon's CurveZMQ public key (Z85; "" without Curve)
 
 
 class StatusReply(Msg, tag="status_reply"):

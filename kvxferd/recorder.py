@@ -258,6 +258,11 @@ class Recorder:
         self.counters.unauthenticated_peers += 1
         self.metrics.handshakes_served.labels("unauthenticated").inc()
 
+    def misattributed(self, kind: str) -> None:
+        """A side-channel request of `kind` named a requester its CurveZMQ key is not (identity.py)."""
+        self.counters.misattributed += 1
+        self.metrics.handshakes_served.labels("misattributed").inc()
+
     # --- status ---------------------------------------------------------------
     def recent(self) -> P.Recent:
         since = time.time() - RECENT_S

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from . import handshake as hs
+from .identity import CurveKeys, PeerKeys
 from .ownside import OwnSide, SelfLink
 
 log = logging.getLogger("kvxferd")
@@ -44,8 +45,9 @@ MAX_LINKS = 1024  # peer daemons linked at once: beyond, the least recently used
 class Link:
     """A DEALER socket to one peer daemon's side channel and the requests waiting on it."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, curve: hs.CurveKeys | None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, curve: CurveKeys | None) -> None:
         self.address = f"{host}:{port}"
+        self.server = curve.server_public if curve is not None else b""  # the key it dials
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
@@ -182,8 +184,8 @@ class Links:
     """The standing links, by peer daemon address; this daemon's own address, `own`, is answered
     in-process (ownside.py)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, curve: hs.CurveKeys | None, own: OwnSide | None = None) -> None:
-        self._ctx, self._curve, self._own = ctx, curve, own
+    def __init__(self, ctx: zmq.asyncio.Context, keys: PeerKeys | None, own: OwnSide | None = None) -> None:
+        self._ctx, self._keys, self._own = ctx, keys, own
         self._links: dict[tuple[str, int], Link] = {}
         self._self_link: SelfLink | None = None
 
@@ -194,14 +196,18 @@ class Links:
             if self._self_link is None:
                 self._self_link = SelfLink(self._own.answer)
             return self._self_link
+        curve = self._keys.at(host, port) if self._keys is not None else None
         link = self._links.pop((host, port), None)
+        if link is not None and curve is not None and link.server != curve.server_public:
+            link.close()  # dialed with a key the address has since proved it does not hold
+            link = None
         if link is None:
             idle = None
             if len(self._links) >= MAX_LINKS:
                 idle = next((k for k, old in self._links.items() if not old.waiting), None)
                 if idle is None:
                     raise hs.HandshakeError("unreachable", f"{MAX_LINKS} peer daemons have lease requests waiting")
-            link = Link(self._ctx, host, port, self._curve)  # first: an address that fails evicts nothing
+            link = Link(self._ctx, host, port, curve)  # first: an address that fails evicts nothing
             if idle is not None:
                 self._links.pop(idle).close()
         self._links[(host, port)] = link  # to the end: the most recently used

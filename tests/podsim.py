@@ -288,12 +288,13 @@ async def handshake(h: dict[str, Any]) -> dict[str, Any]:
     import zmq.auth
 
     from kvxferd import handshake as hs
+    from kvxferd.identity import CurveKeys
 
     curve = None
     if h.get("secret"):
         public, secret = zmq.auth.load_certificate(h["secret"])
         server = zmq.auth.load_certificate(h["server_key"])[0] if h.get("server_key") else public
-        curve = hs.CurveKeys(public, secret, server, os.path.dirname(h["secret"]))
+        curve = CurveKeys(public, secret, server, os.path.dirname(h["secret"]))
     ctx = zmq.asyncio.Context()
     try:
         reply = await hs.request(ctx, h["host"], h["port"], h["engine"], h.get("timeout", 2.0), "podsim", curve)

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvxferd.client import Client, DaemonError
+from kvxferd.identity import load_curve
 from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, DemoError, EngineProcess
 from kvxferd.plan.models import PRESETS
 
@@ -61,13 +62,14 @@ def test_world_writable_socket_directory_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    from kvxferd.handshake import generate_keys
+    from kvxferd.identity import generate_keys
 
     base = tmp_path_factory.mktemp("keys")
     cluster_keys = base / "cluster"
     generate_keys(str(cluster_keys), "kvxferd")
     stranger = base / "stranger"
     generate_keys(str(stranger), "stranger")
+    (stranger / "cluster.key").write_text((cluster_keys / "kvxferd.key").read_text())  # it trusts the cluster
     return cluster_keys, stranger
 
 
@@ -224,7 +226,7 @@ def test_network_side_channel_with_keys_refuses_a_peer_without(tmp_path, keys):
                 ctx.destroy(0)
 
         secret = str(cluster_keys / "kvxferd.key_secret")
-        assert asyncio.run(ask(hs.load_curve(secret, str(cluster_keys)))) == "refused"  # answered: unknown engine
+        assert asyncio.run(ask(load_curve(secret, str(cluster_keys)))) == "refused"  # answered: unknown engine
         assert asyncio.run(ask(None)) == "timeout"
         with Client(d.socket) as c:
             assert c.status().counters.unauthenticated_peers >= 1

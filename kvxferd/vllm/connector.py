@@ -96,18 +96,17 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         # to its end before vLLM calls start_load_kv; after a GPU forward is launched, so the round
         # trip to the daemon overlaps the kernels.
         self._orders_before_forward = vllm_config.device_config.device_type == "cpu"
-        self._side: tuple[str, int] | None = None
+        self._side: tuple[str, int, str] | None = None
         self._load_errors: set[int] = set()
 
-    def _side_channel(self) -> tuple[str, int]:
-        """Where decode daemons handshake with ours: configured, or asked from the daemon once."""
+    def _side_channel(self) -> tuple[str, int, str]:
+        """Where decode daemons handshake with ours (configured, or asked from the daemon once),
+        and our daemon's public key, which they dial ("": it has none)."""
         if self._side is None:
-            address = self.options.side_channel
-            if not address:
-                with EngineClient(self.options.socket, self.engine_id, -1, self.tp_size, timeout=5.0) as client:
-                    address = client.status().side_channel
-            host, _, port = address.rpartition(":")
-            self._side = (host, int(port))
+            with EngineClient(self.options.socket, self.engine_id, -1, self.tp_size, timeout=5.0) as client:
+                status = client.status()
+            host, _, port = (self.options.side_channel or status.side_channel).rpartition(":")
+            self._side = (host, int(port), status.side_channel_key)
         return self._side
 
     # --- scheduler ---------------------------------------------------------------------

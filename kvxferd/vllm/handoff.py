@@ -19,11 +19,13 @@ per request: its last real block, the state after the prompt's tokens.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from ..identity import Z85_KEY
 from ..protocol import RemoteRef
 
 
@@ -98,6 +100,7 @@ MAX_TOKENS = 1 << 24
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_TP = 1024
+DAEMON_KEY = re.compile(f"|{Z85_KEY.pattern}")  # "": none named
 
 
 class RemotePrefill(msgspec.Struct, frozen=True):
@@ -120,10 +123,13 @@ def parse_remote(params: dict[str, Any], num_groups: int) -> RemotePrefill:
         token = params.get("remote_read_token") or ""
         if not isinstance(token, str) or len(token) > 128:
             raise HandoffError("remote_read_token must be a string of at most 128 characters")
+        daemon_key = params.get("remote_daemon_key") or ""
+        if not isinstance(daemon_key, str) or not DAEMON_KEY.fullmatch(daemon_key):
+            raise HandoffError("remote_daemon_key must be a CurveZMQ public key: 40 characters of Z85")
         remote = RemoteRef(str(params["remote_engine_id"])[:256], str(params["remote_host"])[:256],
                            _bounded(params["remote_port"], 1, 65535, "remote_port"),
                            _bounded(params["tp_size"], 1, MAX_TP, "tp_size"), str(params["remote_request_id"])[:256],
-                           token)
+                           token, daemon_key)
         blocks = params["remote_block_ids"]
         if not isinstance(blocks, list):
             raise HandoffError("remote_block_ids must be a list")
@@ -160,12 +166,13 @@ def _block_list(ids: Any) -> tuple[int, ...]:
 
 def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
                    block_ids: list[list[int]], num_tokens: int, block_sizes: list[int],
-                   read_token: str) -> dict[str, Any]:
+                   read_token: str, daemon_key: str = "") -> dict[str, Any]:
     """The params P's response carries; the proxy hands them to D verbatim."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_host": host, "remote_port": port,
             "remote_block_ids": block_ids, "remote_block_sizes": block_sizes, "remote_num_tokens": num_tokens,
-            "tp_size": tp_size, "transfer_mode": "pull", "remote_read_token": read_token}
+            "tp_size": tp_size, "transfer_mode": "pull", "remote_read_token": read_token,
+            "remote_daemon_key": daemon_key}
 
 
 def held_blocks(groups: list[GroupInfo], block_ids: list[list[int]]) -> list[list[int]]:

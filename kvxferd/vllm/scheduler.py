@@ -38,7 +38,7 @@ log = logging.getLogger("kvxferd.vllm")
 
 class SchedulerSide:
     def __init__(self, engine_id: str, tp_size: int, groups: list[GroupInfo], lease_s: float,
-                 side_channel: Callable[[], tuple[str, int]]) -> None:
+                 side_channel: Callable[[], tuple[str, int, str]]) -> None:
         self.engine_id, self.tp_size, self.groups, self.lease_s = engine_id, tp_size, groups, lease_s
         self.side_channel = side_channel  # asked lazily: the daemon may start after vLLM
         self.orders = Orders([], [])
@@ -135,7 +135,7 @@ class SchedulerSide:
         if not params.get("do_remote_decode") or not completed or not any(block_ids):
             return False, None
         try:
-            host, port = self.side_channel()
+            host, port, daemon_key = self.side_channel()
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # no daemon to hold the blocks: free them
             log.warning("request %s: cannot hand off, the kvxferd daemon's side channel is unknown: %s",
                         request.request_id, exc)
@@ -144,7 +144,8 @@ class SchedulerSide:
         token = new_read_token()  # made here: the params leave with this step, the hold with the next
         self.orders.holds.append(HoldOrder(request.request_id, held_blocks(self.groups, blocks), self.lease_s, token))
         return True, prefill_params(self.engine_id, request.request_id, host, port, self.tp_size, blocks,
-                                    request.num_computed_tokens, [g.block_size for g in self.groups], token)
+                                    request.num_computed_tokens, [g.block_size for g in self.groups], token,
+                                    daemon_key)
 
     def take_orders(self, idle: bool = False) -> Orders:
         """This step's orders; `idle`: the step schedules no tokens (workers may wait for the daemon)."""

@@ -305,6 +305,7 @@ class Cluster:
             raise
         host, port_s = self.prefill.side_channel.rsplit(":", 1)
         self.host, self.port = host, int(port_s)
+        self.daemon_key = self.status(0).side_channel_key  # the prefill daemon's: what its reads dial
 
     def read_token(self, seq: int) -> str:
         """Prompt `seq`'s read token (made on first use): what its hold is given and its read presents."""
@@ -314,7 +315,8 @@ class Cluster:
         return token
 
     def remote(self, seq: int) -> RemoteRef:
-        return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}", self.read_token(seq))
+        return RemoteRef("prefill", self.host, self.port, self.p_tp, f"req-{seq}", self.read_token(seq),
+                         self.daemon_key)
 
     def transfer(self, seq: int, num_tokens: int, hit_tokens: int = 0, lease_s: float = 30.0,
                  deadline_s: float = 30.0) -> dict[str, Any]:
