@@ -11,9 +11,9 @@ FROM python:3.11.14-slim-bookworm AS runtime
 LABEL org.opencontainers.image.title="kvxferd" \
       org.opencontainers.image.description="KV-cache transfer sidecar daemon for disaggregated LLM serving" \
       org.opencontainers.image.version="0.1.0"
-# The side channel listens on every address and so requires CurveZMQ: mount the keys from
-# `kvxferd keys generate DIR --name kvxferd` at /etc/kvxferd/curve (readable by uid 10001); without
-# them the daemon refuses to start and says what to do. Serving this host only instead:
+# The side channel listens on every address and so requires CurveZMQ: mount this node's keys from
+# `kvxferd keys generate DIR --owner 10001` at /etc/kvxferd/curve (the peers it admits in
+# DIR/authorized); without them the daemon refuses to start and says what to do. Serving this host only instead:
 # -e KVXFERD_SIDE_CHANNEL_HOST=127.0.0.1 -e KVXFERD_CURVE_SECRET_KEY_FILE= (docs/deploy.md).
 # DL3064: these name where the keys are mounted; no key is in the image.
 # hadolint ignore=DL3064
@@ -22,8 +22,7 @@ ENV PYTHONUNBUFFERED=1 \
     KVXFERD_SOCKET_PATH=/run/kvxferd/kvxferd.sock \
     KVXFERD_SIDE_CHANNEL_HOST=0.0.0.0 \
     KVXFERD_CURVE_SECRET_KEY_FILE=/etc/kvxferd/curve/kvxferd.key_secret \
-    KVXFERD_CURVE_AUTHORIZED_KEYS_DIR=/etc/kvxferd/curve \
-    KVXFERD_METRICS_HOST=0.0.0.0 \
+    KVXFERD_METRICS_HOST=127.0.0.1 \
     KVXFERD_LOG_FORMAT=json
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links=/wheels kvxferd==0.1.0 \

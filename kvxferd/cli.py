@@ -109,8 +109,8 @@ app.add_typer(keys_app, name="keys")
 @keys_app.command("generate")
 def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAME.key and NAME.key_secret."),
                   name: str = typer.Option("kvxferd"),
-                  owner: str = typer.Option("", "--owner", help="The daemon's user: DIRECTORY and the keys become "
-                                                               "its own, DIRECTORY 0700 (run as root)."),
+                  owner: str = typer.Option("", "--owner", help="The daemon's user (USER or UID[:GID]): DIRECTORY and "
+                                                               "the keys become its own, 0700 (as root)."),
                   force: bool = typer.Option(False, "--force", help="Replace an existing keypair of that name.")
                   ) -> None:
     """Create this daemon's CurveZMQ keypair, and DIRECTORY/authorized with its public half: the keys
@@ -125,12 +125,16 @@ def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAM
     from .identity import KeysExist, generate_keys
 
     ids = None
-    if owner:
+    if owner:  # USER (its primary group), or UID[:GID] for a user only a container knows
+        who, _, group = owner.partition(":")
         try:
-            user = pwd.getpwnam(owner)
-        except KeyError:
-            fail(f"--owner {owner}: no such user")
-        ids = (user.pw_uid, user.pw_gid)
+            if who.isdigit():
+                ids = (int(who), int(group) if group else int(who))
+            else:
+                user = pwd.getpwnam(who)
+                ids = (user.pw_uid, int(group) if group else user.pw_gid)
+        except (KeyError, ValueError):
+            fail(f"--owner {owner}: not a user, nor UID[:GID]")
     try:
         public, secret = generate_keys(str(directory), name, force, ids)
     except KeysExist as exc:

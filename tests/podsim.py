@@ -133,7 +133,7 @@ def pod_from_chart(docs: dict[str, list[dict[str, Any]]], secret_dir: Path | Non
                 assert secret_dir is not None, "the chart mounts a Secret"
                 mode = f"{v['secret'].get('defaultMode', 0o644) | (0o440 if fs_group else 0):04o}"
                 files += [{"path": f"{key}/{f.name}", "text": f.read_text(), "mode": mode, "gid": fs_group or 0}
-                          for f in sorted(secret_dir.iterdir())]
+                          for f in sorted(secret_dir.iterdir()) if f.is_file()]
             else:
                 raise AssertionError(f"volume {v} not simulated")
 
@@ -237,6 +237,22 @@ def setup(spec: dict[str, Any]) -> None:
         os.chmod(path, int(f.get("mode", "0644"), 8))
 
 
+def named(p: dict[str, Any]) -> dict[str, Any]:
+    """`p` with its "user" (a name an init command made: useradd) as uid and gid, its "group"
+    (a group's name) as its primary gid, and that group's gid among its groups."""
+    import grp
+    import pwd
+
+    p = dict(p)
+    if "user" in p:
+        user = pwd.getpwnam(p["user"])
+        p["uid"], p["gid"] = user.pw_uid, user.pw_gid
+    if "group" in p:
+        p["gid"] = grp.getgrnam(p["group"]).gr_gid
+        p["groups"] = [*p.get("groups", []), p["gid"]]
+    return p
+
+
 def as_user(p: dict[str, Any]) -> list[str]:
     """setpriv prefix: the process's uid, gid, supplementary groups, and capabilities if listed."""
     groups = ",".join(str(g) for g in p.get("groups", []))
@@ -313,9 +329,10 @@ def main(spec_path: str) -> None:
     setup(spec)
     report: dict[str, Any] = {"init": [], "engines": {}, "handshakes": {}}
     for init in spec.get("init", []):
-        r = subprocess.run([*as_user(init), *init["argv"]], capture_output=True, text=True)
+        r = subprocess.run([*as_user(init), *init["argv"]], capture_output=True, text=True, cwd=init.get("cwd"))
         report["init"].append({"argv": init["argv"], "returncode": r.returncode, "stderr": r.stderr})
-    d = spec["daemon"]
+    d = named(spec["daemon"])
+    spec["engines"] = [named(e) for e in spec.get("engines", [])]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/", **d.get("env", {})}
     daemon = subprocess.Popen([*as_user(d), sys.executable, "-m", "kvxferd", *d["argv"]], env=env,
                               stdout=log, stderr=subprocess.STDOUT, cwd="/")
@@ -348,6 +365,10 @@ def main(spec_path: str) -> None:
                                 "unauthenticated_peers": st_.counters.unauthenticated_peers}
         except (DaemonError, OSError) as exc:
             report["status"] = {"error": str(exc)}
+        report["after"] = []
+        for a in spec.get("after", []):  # commands run as a user while the daemon serves
+            r = subprocess.run([*as_user(named(a)), *a["argv"]], capture_output=True, text=True)
+            report["after"].append({"argv": a["argv"], "returncode": r.returncode, "stderr": r.stderr})
         if spec.get("readyz"):
             try:
                 with urllib.request.urlopen(spec["readyz"], timeout=5) as r:

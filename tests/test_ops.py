@@ -240,7 +240,8 @@ def test_helm_chart_lints_and_renders_valid_manifests():
         assert not lint["errors"] and all(m["severity"] < 2 for m in lint["messages"]), lint
     for mode in ("daemonset", "sidecar"):
         docs = _render({"mode": mode, "serviceMonitor": {"enabled": True}, "dashboard": {"enabled": True},
-                        "config": {"allowedUids": [1000], "ucx": {"UCX_TLS": "rc,cuda_copy"}}, **CURVE})
+                        "config": {"allowedUids": [1000], "ucx": {"UCX_TLS": "rc,cuda_copy"}, "metricsHost": "0.0.0.0"},
+                        **CURVE})
         kinds = {d["kind"] for ds in docs.values() for d in ds}
         workload = "DaemonSet" if mode == "daemonset" else "Deployment"
         assert {workload, "ConfigMap", "Service", "ServiceMonitor"} <= kinds
@@ -270,6 +271,22 @@ def test_helm_chart_lints_and_renders_valid_manifests():
         assert env["KVXFERD_CURVE_SECRET_KEY_FILE"] == "/etc/kvxferd/curve/kvxferd.key_secret"
         assert env["KVXFERD_CURVE_AUTHORIZED_KEYS_DIR"] == "/etc/kvxferd/curve"
         assert env["KVXFERD_SIDE_CHANNEL_HOST"] == "0.0.0.0" and env["KVXFERD_SIDE_CHANNEL_INSECURE"] == "false"
+        assert env["KVXFERD_METRICS_HOST"] == "0.0.0.0"  # asked for, with the ServiceMonitor
+        probe = kvx["readinessProbe"]["exec"]["command"]
+        assert "http://127.0.0.1:9410/readyz" in probe[-1] and "httpGet" not in kvx["livenessProbe"]
+    # the defaults keep the metrics on the node; a ServiceMonitor must ask for them beyond it
+    default = _render(CURVE)
+    assert _kvxferd_env(default)["KVXFERD_METRICS_HOST"] == "127.0.0.1"
+    with pytest.raises(helm.HelmRenderError, match="serviceMonitor.enabled needs the metrics beyond loopback"):
+        _render({"serviceMonitor": {"enabled": True}, **CURVE})
+    # per-node keys from the node: the authorized directory beside the key
+    per_node = _render({"curve": {"hostPath": "/etc/kvxferd/curve"}})
+    _validate(per_node)
+    spec = _pod(per_node)["spec"]
+    assert {"name": "curve", "hostPath": {"path": "/etc/kvxferd/curve", "type": "Directory"}} in spec["volumes"]
+    env = _kvxferd_env(per_node)
+    assert env["KVXFERD_CURVE_SECRET_KEY_FILE"] == "/etc/kvxferd/curve/kvxferd.key_secret"
+    assert env["KVXFERD_CURVE_AUTHORIZED_KEYS_DIR"] == "/etc/kvxferd/curve/authorized"
     asked = next(d for d in _render({"hostIPC": True, **CURVE})["kvxferd/templates/daemonset.yaml"])
     assert asked["spec"]["template"]["spec"]["hostIPC"] is True  # for engines with legacy CUDA IPC handles
     dashboard = next(d for d in _render({"dashboard": {"enabled": True}, **CURVE})["kvxferd/templates/dashboard.yaml"])
@@ -288,7 +305,8 @@ def test_helm_chart_refuses_to_render_an_open_side_channel():
         with pytest.raises(helm.HelmRenderError) as err:
             _render({"mode": mode})
         message = str(err.value)
-        for words in ("curve.existingSecret is required", "side channel listens on 0.0.0.0:5600",
+        for words in ("curve.existingSecret (or curve.hostPath) is required", "side channel listens on 0.0.0.0:5600",
+                      "--set curve.hostPath=/etc/kvxferd/curve",
                       "kvxferd keys generate ./kvxferd-curve --name kvxferd",
                       "kubectl -n inference create secret generic kvxferd-curve --from-file=./kvxferd-curve",
                       "--set curve.existingSecret=kvxferd-curve", "--set config.sideChannelInsecure=true"):
@@ -321,10 +339,12 @@ def test_dockerfile_passes_hadolint():
 def test_image_and_toml_bind_beyond_loopback_only_with_keys():
     from kvxferd.config import check_curve_files, check_side_channel, load
 
-    for cfg in (load(env=image()["env"]), load(str(DEPLOY / "kvxferd.toml"), env={})):
+    for cfg, authorized in ((load(env=image()["env"]), ""),
+                            (load(str(DEPLOY / "kvxferd.toml"), env={}), "/etc/kvxferd/curve/authorized")):
         assert cfg.side_channel_host == "0.0.0.0" and not cfg.side_channel_insecure
+        assert cfg.metrics_host == "127.0.0.1"  # not beyond the node unless the operator asks
         assert cfg.curve_secret_key_file == "/etc/kvxferd/curve/kvxferd.key_secret"
-        assert cfg.curve_authorized_keys_dir == "/etc/kvxferd/curve"
+        assert cfg.curve_authorized_keys_dir == authorized  # "": `authorized` beside the key, if there
         assert check_side_channel(cfg) is None
         with pytest.raises(ValueError, match="does not exist: create them with `kvxferd keys generate"):
             check_curve_files(cfg)  # no keys on this machine there: the start fails by name
@@ -341,8 +361,9 @@ def keys(tmp_path_factory):
 
 
 def _key_files(directory: Path, to: str, uid: int, gid: int, secret_mode: str) -> list[dict]:
-    return [{"path": f"{to}/{f.name}", "text": f.read_text(), "uid": uid, "gid": gid,
-             "mode": secret_mode if f.name.endswith("_secret") else "0644"} for f in sorted(directory.iterdir())]
+    return [{"path": f"{to}/{f.relative_to(directory)}", "text": f.read_text(), "uid": uid, "gid": gid,
+             "mode": secret_mode if f.name.endswith("_secret") else "0644"}
+            for f in sorted(directory.rglob("*")) if f.is_file()]
 
 
 def _probes(keys) -> tuple[list[dict], list[dict]]:
@@ -397,33 +418,52 @@ def test_image_runs_as_configured_with_mounted_keys(tmp_path, keys, mounted):
                 in report["daemon"]["log"]), report["daemon"]["log"]
 
 
+def _documented_systemd_steps() -> list[str]:
+    """The shell lines of docs/deploy.md's systemd block that set up this host (those that
+    install packages or talk to systemd are what the unit's own tests cover)."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    block = doc[doc.index("## systemd"):]
+    block = block[block.index("```\n") + 4:]
+    lines = [line.split("  #")[0].strip() for line in block[:block.index("```")].splitlines()]
+    return [line for line in lines if line and not line.startswith(("pip ", "systemctl ", "install -m 0644 deploy/systemd"))]
+
+
 @needs_pods
-def test_systemd_service_runs_as_configured_with_keys(tmp_path, keys):
-    """deploy/kvxferd.toml under deploy/systemd/kvxferd.service's user, group and RuntimeDirectory,
-    keys where the toml's comments put them (secret 0640 root:kvxferd). An engine whose primary group
-    is kvxferd registers (socket 0660 kvxferd); the side channel answers the keys' holder only."""
+def test_systemd_service_runs_as_documented_with_keys(tmp_path, keys):
+    """docs/deploy.md's systemd steps, run as written (an engine user made first), then the daemon
+    as deploy/systemd/kvxferd.service runs it (its user, its RuntimeDirectory) with
+    deploy/kvxferd.toml. The daemon reads its own key and starts; an engine user in the kvxferd
+    group registers (the socket is the group's) and cannot read the secret key; the side channel
+    answers the key's holder only."""
     unit = dict(line.split("=", 1) for line in (DEPLOY / "systemd" / "kvxferd.service").read_text().splitlines()
                 if "=" in line and not line.startswith("#"))
     assert unit["User"] == unit["Group"] == unit["RuntimeDirectory"] == "kvxferd"
     exe, *argv = unit["ExecStart"].split()
     assert exe.endswith("/kvxferd") and argv == ["serve", "--config", "/etc/kvxferd/kvxferd.toml"]
-    toml = (DEPLOY / "kvxferd.toml").read_text()
-    cfg = tomllib.loads(toml)
-    assert "chgrp kvxferd /etc/kvxferd/curve/kvxferd.key_secret && chmod 0640" in toml
-    uid = gid = 998  # a system user (useradd --system)
+    cfg = tomllib.loads((DEPLOY / "kvxferd.toml").read_text())
+    steps = _documented_systemd_steps()
+    assert any(s.startswith("kvxferd keys generate /etc/kvxferd/curve --owner kvxferd") for s in steps), steps
+    kvxferd = f"{sys.executable} -m kvxferd"
+    shell = [f"cd {ROOT} && " + step.replace("<engine user>", "engine").replace("kvxferd keys", f"{kvxferd} keys")
+             for step in ["useradd --user-group engine", *steps]]
     files, probes = _probes(keys)
-    files += [*_key_files(keys[0], "/etc/kvxferd/curve", 0, gid, "0640"),
-              {"path": "/etc/kvxferd/kvxferd.toml", "text": toml, "mode": "0644"}]
-    spec = {"stage": str(tmp_path / "stage"), "groups": [["kvxferd", gid]], "users": [["kvxferd", uid, gid]],
-            "dirs": [{"path": "/run/kvxferd", "mode": unit["RuntimeDirectoryMode"], "uid": uid, "gid": gid}],
-            "files": files,
-            "daemon": {"argv": argv, "env": {}, "uid": uid, "gid": gid, "groups": [gid], "socket": cfg["socket_path"]},
-            "engines": [{"name": "engine", "uid": 1000, "gid": gid,
+    spec = {"stage": str(tmp_path / "stage"), "files": files,
+            "init": [{"argv": ["sh", "-c", line]} for line in shell]  # as root, as the docs' steps are
+            + [{"argv": ["install", "-d", "-o", "kvxferd", "-g", "kvxferd", "-m", unit["RuntimeDirectoryMode"],
+                         "/run/kvxferd"]}],  # what RuntimeDirectory= makes
+            "daemon": {"argv": argv, "env": {}, "user": "kvxferd", "group": "kvxferd", "socket": cfg["socket_path"]},
+            "engines": [{"name": "engine", "user": "engine", "group": "kvxferd",
                          "env": {"KVXFERD_SOCKET_PATH": cfg["socket_path"]}}],
+            "after": [{"user": "engine", "group": "kvxferd", "argv": ["cat", cfg["curve_secret_key_file"]]},
+                      {"user": "engine", "group": "kvxferd", "argv": ["ls", "/etc/kvxferd/curve"]}],
             "handshakes": probes, "readyz": f"http://127.0.0.1:{cfg['metrics_port']}/readyz"}
     report = run_pod(spec, tmp_path)
+    assert all(i["returncode"] == 0 for i in report["init"]), report["init"]
     _assert_serves_with_keys_only(report)
-    assert report["socket"] == {"mode": "0660", "uid": uid, "gid": gid}
+    secret, listing = report["after"]
+    assert secret["returncode"] != 0 and "Permission denied" in secret["stderr"], secret
+    assert listing["returncode"] != 0 and "Permission denied" in listing["stderr"], listing
+    assert report["socket"]["mode"] == "0660"
 
 
 def test_status_cli_tables_json_and_no_daemon(cluster, tmp_path):

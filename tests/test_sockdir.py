@@ -270,7 +270,8 @@ def handshakes(keys, engine: str) -> tuple[list[dict], list[dict]]:
     """Probes of the side channel: the Secret's keys, none, a stranger's keypair (it knows the
     server's public key). The stranger's files travel into the pod's namespace at /run/stranger."""
     stranger = keys[1]
-    files = [{"path": f"/run/stranger/{f.name}", "text": f.read_text(), "mode": "0600"} for f in stranger.iterdir()]
+    files = [{"path": f"/run/stranger/{f.name}", "text": f.read_text(), "mode": "0600"} for f in stranger.iterdir()
+             if f.is_file()]
     base = {"engine": engine, "host": "127.0.0.1", "port": 5600}
     return files, [{**base, "label": "keys", "secret": "/etc/kvxferd/curve/kvxferd.key_secret"},
                    {**base, "label": "none"},

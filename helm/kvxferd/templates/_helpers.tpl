@@ -31,15 +31,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The Curve Secret's name; fails the render when the side channel would listen beyond
-     loopback with no keys and no explicit config.sideChannelInsecure. */}}
+{{/* Where the Curve keys come from ("secret" or "hostPath", "" for none); fails the render when
+     the side channel would listen beyond loopback with no keys and no explicit
+     config.sideChannelInsecure. */}}
 {{- define "kvxferd.curveSecret" -}}
 {{- $host := .Values.config.sideChannelHost | toString -}}
 {{- $loopback := or (hasPrefix "127." $host) (eq $host "::1") (eq $host "localhost") -}}
-{{- if not (or .Values.curve.existingSecret .Values.config.sideChannelInsecure $loopback) -}}
+{{- if not (or .Values.curve.existingSecret .Values.curve.hostPath .Values.config.sideChannelInsecure $loopback) -}}
 {{- fail (printf `
 
-kvxferd: curve.existingSecret is required. The side channel listens on %s:%v, and without
+kvxferd: curve.existingSecret (or curve.hostPath) is required. The side channel listens on %s:%v, and without
 CurveZMQ keys any host that reaches it could handshake and read the KV blocks kvxferd holds.
 Create one keypair for the daemons that talk to each other and a Secret holding it:
 
@@ -47,10 +48,18 @@ Create one keypair for the daemons that talk to each other and a Secret holding 
   kubectl -n %s create secret generic kvxferd-curve --from-file=./kvxferd-curve
 
 then install with --set curve.existingSecret=kvxferd-curve (the other daemons' releases too).
+Per-node keys instead: make them on each node (kvxferd keys generate /etc/kvxferd/curve --owner 10001,
+each peer's public key copied into /etc/kvxferd/curve/authorized) and --set curve.hostPath=/etc/kvxferd/curve.
 On a network where every host may read the KV cache: --set config.sideChannelInsecure=true.
 ` $host .Values.config.sideChannelPort .Release.Namespace) -}}
 {{- end -}}
-{{- .Values.curve.existingSecret -}}
+{{- if .Values.curve.hostPath -}}hostPath{{- else if .Values.curve.existingSecret -}}secret{{- end -}}
+{{- end -}}
+
+{{/* Where the probes reach the metrics server from inside the container. */}}
+{{- define "kvxferd.probeHost" -}}
+{{- $host := .Values.config.metricsHost | toString -}}
+{{- if has $host (list "" "0.0.0.0" "::" "*") -}}127.0.0.1{{- else -}}{{ $host }}{{- end -}}
 {{- end -}}
 
 {{/* Volumes both modes mount into the kvxferd container (the socket volume differs). */}}
@@ -58,10 +67,16 @@ On a network where every host may read the KV cache: --set config.sideChannelIns
 - name: config
   configMap:
     name: {{ include "kvxferd.fullname" . }}
-{{- with include "kvxferd.curveSecret" . }}
+{{- $keys := include "kvxferd.curveSecret" . }}
+{{- if eq $keys "hostPath" }}
+- name: curve
+  hostPath:
+    path: {{ .Values.curve.hostPath }}
+    type: Directory
+{{- else if eq $keys "secret" }}
 - name: curve
   secret:
-    secretName: {{ . }}
+    secretName: {{ .Values.curve.existingSecret }}
     defaultMode: 0440
 {{- end }}
 - name: tmp
@@ -92,7 +107,7 @@ On a network where every host may read the KV cache: --set config.sideChannelIns
     - name: KVXFERD_CURVE_SECRET_KEY_FILE
       value: "/etc/kvxferd/curve/{{ .Values.curve.secretKeyName }}"
     - name: KVXFERD_CURVE_AUTHORIZED_KEYS_DIR
-      value: /etc/kvxferd/curve
+      value: {{ if .Values.curve.hostPath }}/etc/kvxferd/curve/authorized{{ else }}/etc/kvxferd/curve{{ end }}
     {{- with .Values.curve.serverKeyName }}
     - name: KVXFERD_CURVE_SERVER_KEY_FILE
       value: "/etc/kvxferd/curve/{{ . }}"
@@ -104,7 +119,7 @@ On a network where every host may read the KV cache: --set config.sideChannelIns
       value: ""
     {{- end }}
     - name: KVXFERD_METRICS_HOST
-      value: "0.0.0.0"
+      value: {{ .Values.config.metricsHost | quote }}
     - name: KVXFERD_LOG_FORMAT
       value: {{ .Values.config.logFormat | quote }}
   ports:
@@ -114,16 +129,17 @@ On a network where every host may read the KV cache: --set config.sideChannelIns
     - name: metrics
       containerPort: {{ .Values.config.metricsPort }}
       protocol: TCP
+  # In the container: the metrics server may listen on loopback alone (config.metricsHost)
   readinessProbe:
-    httpGet:
-      path: /readyz
-      port: metrics
+    exec:
+      command: ["python3", "-c", "import urllib.request as u; u.urlopen('http://{{ include "kvxferd.probeHost" . }}:{{ .Values.config.metricsPort }}/readyz', timeout=3)"]
     periodSeconds: 5
+    timeoutSeconds: 4
   livenessProbe:
-    httpGet:
-      path: /healthz
-      port: metrics
+    exec:
+      command: ["python3", "-c", "import urllib.request as u; u.urlopen('http://{{ include "kvxferd.probeHost" . }}:{{ .Values.config.metricsPort }}/healthz', timeout=3)"]
     periodSeconds: 10
+    timeoutSeconds: 4
     failureThreshold: 6
   resources:
     {{- toYaml .Values.resources | nindent 4 }}
