@@ -141,6 +141,8 @@ def keys_generate(directory: Path = typer.Argument(..., help="Where to write NAM
         fail(str(exc))
     except PermissionError as exc:
         fail(f"{exc} (--owner needs root)")
+    except OSError as exc:  # a symlink where the directory or authorized/ should be (O_NOFOLLOW)
+        fail(f"cannot write the keys in {directory}: {exc}")
     typer.echo(f"public key: {public} (copy it into each peer daemon's {directory.name}/authorized)\n"
                f"secret key: {secret} (mode 0600{', owned by ' + owner if owner else ''}: the daemon's user alone)")
 

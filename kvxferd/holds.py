@@ -47,6 +47,7 @@ from . import handshake as hs
 from . import integrity
 from . import protocol as P
 from .engines import EngineKey, EngineRank, Engines
+from .identity import fingerprinted
 from .logs import Throttle
 from .nixl_driver import NixlDriver
 from .protocol import RequestError
@@ -311,6 +312,12 @@ class Holds:
         n = hs.decode_notification(data)
         if n is None:
             self._recorder.notification_received("malformed")
+            return False
+        if fingerprinted(sender):
+            # NIXL reports the name its sender declares: a name with a key's fingerprint belongs to
+            # a daemon that sends its notices on the side channel, where the key is checked
+            # (identity.py). One riding a READ under such a name is someone else's, posing.
+            self._recorder.notification_received("unauthorized")
             return False
         return self._notified(sender, n)
 

@@ -23,12 +23,15 @@ other (docs/security.md says what that gives up).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
 import logging
 import os
 import re
+import stat
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,6 +50,11 @@ def fingerprint(public: bytes | str) -> str:
     return "k" + hashlib.sha256(key).hexdigest()[:32]
 
 
+def fingerprinted(agent: str) -> bool:
+    """`agent` is the name of a daemon with a key (one that sends its notices on the side channel)."""
+    return _FINGERPRINTED.fullmatch(agent) is not None
+
+
 def speaks_for(requester: str, sender: str) -> bool:
     """`requester` (an agent name a message carries) may be `sender`'s (its Z85 public key, as ZAP
     authenticated it): a name with a fingerprint only the key it was made from."""
@@ -58,12 +66,16 @@ class KeyRefused(ValueError):
     """A read named a daemon key that is not authorized (or not a key at all)."""
 
 
+MAX_KEY_FILE = 4096  # a public certificate is ~130 bytes; a larger `*.key` is not one
+
+
 class AuthorizedKeys:
-    """The public keys (`*.key` certificates) in a directory, read again when it changes."""
+    """The public keys (`*.key` certificates) in a directory, read again when it or one of them
+    changes (a key copied in, a Secret's update): what the ZAP handler admits and reads may dial."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[object, ...] | None = None
         self._keys: frozenset[bytes] = frozenset()
 
     def __contains__(self, public: bytes) -> bool:
@@ -71,22 +83,36 @@ class AuthorizedKeys:
 
     def keys(self) -> frozenset[bytes]:
         try:
-            st = os.stat(self.directory)
+            seen = self._signature()
         except OSError as exc:  # gone (an unmounted Secret): nobody is admitted
             log.warning("curve authorized keys directory %s: %s", self.directory, exc)
             return frozenset()
-        if self._seen != (st.st_mtime_ns, st.st_ino):
-            self._seen, self._keys = (st.st_mtime_ns, st.st_ino), self._read()
+        if seen != self._seen:
+            self._seen, self._keys = seen, self._read()
         return self._keys
 
     def callback(self, domain: str, public: bytes) -> bool:
         """pyzmq's ZAP credentials provider: `public` (Z85) may connect."""
         return public in self
 
+    def _signature(self) -> tuple[object, ...]:
+        """What changes when a key is added, removed or rewritten: the directory and each entry."""
+        st = os.stat(self.directory)
+        entries = []
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                if entry.name.endswith(".key"):
+                    e = entry.stat()  # follows a Secret's symlinks to the file they name
+                    entries.append((entry.name, e.st_ino, e.st_mtime_ns, e.st_size))
+        return (st.st_mtime_ns, st.st_ino, *sorted(entries))
+
     def _read(self) -> frozenset[bytes]:
         found = set()
         for path in sorted(Path(self.directory).glob("*.key")):
             try:
+                st = path.stat()
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE:
+                    raise ValueError("not a public key certificate (a regular file of at most 4 KiB)")
                 public, _ = zmq.auth.load_certificate(path)
             except (OSError, ValueError) as exc:  # one bad file keeps none of the others out
                 log.warning("curve authorized keys: skipping %s: %s", path, exc)
@@ -121,41 +147,41 @@ def load_curve(secret_file: str, authorized_dir: str, server_key_file: str = "")
 
 class PeerKeys:
     """This daemon's CurveZMQ identity, the keys it admits, and the key each peer daemon's address
-    proved to hold (a handshake under it succeeded): what links and probes dial with."""
+    proved to hold (a handshake under it succeeded): what links dial, and reads that name none."""
 
     def __init__(self, curve: CurveKeys) -> None:
         self.curve = curve
         self.authorized = AuthorizedKeys(curve.authorized_dir)
         self.fingerprint = fingerprint(curve.public)
-        self._proved: dict[tuple[str, int], bytes] = {}
+        self._proved: OrderedDict[tuple[str, int], str] = OrderedDict()  # least recently used first
 
     @property
     def public(self) -> str:
         return self.curve.public.decode()
 
-    def named(self, daemon_key: str) -> bytes:
-        """The server key a read that names `daemon_key` dials ("" names none: the default).
-        KeyRefused unless it is authorized."""
-        if not daemon_key:
-            return self.curve.server_public
-        key = daemon_key.encode()
-        if key not in self.authorized:
+    def authorize(self, daemon_key: str) -> None:
+        """KeyRefused unless a read may dial `daemon_key` (Z85): it is among the authorized keys."""
+        if daemon_key.encode() not in self.authorized:
             raise KeyRefused(f"daemon key {daemon_key} is not among the authorized keys in "
                              f"{self.authorized.directory}: that daemon is not one this daemon trusts")
-        return key
 
-    def proved(self, host: str, port: int, server_public: bytes) -> None:
-        """The daemon at host:port answered a handshake under `server_public`."""
-        self._proved[(host, port)] = server_public
+    def proved(self, host: str, port: int, server: str) -> None:
+        """The daemon at host:port answered a handshake under `server`."""
+        self._proved[(host, port)] = server
+        self._proved.move_to_end((host, port))
         if len(self._proved) > MAX_PROVED:
-            del self._proved[next(iter(self._proved))]
+            self._proved.popitem(last=False)
 
-    def at(self, host: str, port: int) -> CurveKeys:
-        """What to dial host:port with: the key it proved, else the default server key."""
-        return self.curve.dialing(self._proved.get((host, port), self.curve.server_public))
+    def at(self, host: str, port: int) -> str:
+        """The key to dial host:port with: the one it proved, else the default server key."""
+        server = self._proved.get((host, port))
+        if server is None:
+            return self.curve.server_public.decode()
+        self._proved.move_to_end((host, port))
+        return server
 
 
-MAX_PROVED = 65536  # addresses remembered; the oldest is dialed with the default key again
+MAX_PROVED = 65536  # addresses remembered, least recently used out (dialed with the default key again)
 
 
 class KeysExist(FileExistsError):
@@ -167,33 +193,54 @@ def generate_keys(directory: str, name: str = "kvxferd", force: bool = False,
     """Write a CurveZMQ keypair in pyzmq's certificate format (`name.key` public,
     `name.key_secret`) and put a copy of the public half in `directory/authorized` (the keys
     this daemon admits: its own, and the peers' that the operator copies in); returns both
-    paths. Each file is created with its final mode (the secret never readable by others,
-    whatever the umask), O_EXCL and O_NOFOLLOW: no overwrite, no write through a planted
-    symlink. `owner` (uid, gid): the directory and files become the daemon user's, the directory
-    0700 (engine users read nothing there). An existing pair raises KeysExist unless `force`."""
+    paths. `directory` becomes 0700 (the daemon's alone); with `owner` (uid, gid) it and
+    everything written become that user's. Every file is made inside the directory opened once
+    (no path is looked up again, so no symlink or rename swapped in meanwhile is followed), with
+    its final mode and owner before it is closed, O_EXCL: no overwrite of an existing pair
+    unless `force` (KeysExist)."""
     top = Path(directory)
     top.mkdir(parents=True, exist_ok=True, mode=0o700)
-    authorized = top / "authorized"
-    authorized.mkdir(exist_ok=True, mode=0o755)
-    public, secret = top / f"{name}.key", top / f"{name}.key_secret"
-    trusted = authorized / f"{name}.key"
-    existing = [str(p) for p in (public, secret) if p.exists() or p.is_symlink()]
-    if existing and not force:
-        raise KeysExist(f"{', '.join(existing)} already exist(s); pass --force to replace the keypair")
-    pub_key, sec_key = (k.decode() for k in zmq.curve_keypair())
-    now = datetime.datetime.now().isoformat(timespec="seconds")
-    body = f'metadata\ncurve\n    public-key = "{pub_key}"\n'
-    public_text = f"#   ZeroMQ CURVE Public Certificate ({now})\n\n{body}"
-    for path, mode, text in ((secret, 0o600, f"#   ZeroMQ CURVE **Secret** Certificate ({now})\n#   keep it private\n\n"
-                              f'{body}    secret-key = "{sec_key}"\n'),
-                             (public, 0o644, public_text), (trusted, 0o644, public_text)):
-        if force or path == trusted:
-            path.unlink(missing_ok=True)  # a fresh file, not a write through an old one's mode or a symlink
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-    if owner is not None:
-        for path in (top, authorized, public, secret, trusted):
-            os.chown(path, *owner, follow_symlinks=False)
-        top.chmod(0o700)
-    return str(public), str(secret)
+    at = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symlink: refused
+    try:
+        existing = [f"{top}/{n}" for n in (f"{name}.key", f"{name}.key_secret") if _exists(n, at)]
+        if existing and not force:
+            raise KeysExist(f"{', '.join(existing)} already exist(s); pass --force to replace the keypair")
+        if not _exists("authorized", at):
+            os.mkdir("authorized", 0o755, dir_fd=at)
+        trust = os.open("authorized", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
+        pub_key, sec_key = (k.decode() for k in zmq.curve_keypair())
+        now = datetime.datetime.now().isoformat(timespec="seconds")
+        body = f'metadata\ncurve\n    public-key = "{pub_key}"\n'
+        public_text = f"#   ZeroMQ CURVE Public Certificate ({now})\n\n{body}"
+        secret_text = (f"#   ZeroMQ CURVE **Secret** Certificate ({now})\n#   keep it private\n\n"
+                       f'{body}    secret-key = "{sec_key}"\n')
+        try:
+            for where, entry, mode, text in ((at, f"{name}.key_secret", 0o600, secret_text),
+                                             (at, f"{name}.key", 0o644, public_text),
+                                             (trust, f"{name}.key", 0o644, public_text)):
+                with contextlib.suppress(FileNotFoundError):  # a fresh file, never a write through an old one
+                    if force or where == trust:
+                        os.unlink(entry, dir_fd=where)
+                fd = os.open(entry, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                             dir_fd=where)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    if owner is not None:
+                        os.fchown(f.fileno(), *owner)
+                    f.write(text)
+            if owner is not None:
+                os.fchown(trust, *owner)
+                os.fchown(at, *owner)
+            os.fchmod(at, 0o700)
+        finally:
+            os.close(trust)
+    finally:
+        os.close(at)
+    return str(top / f"{name}.key"), str(top / f"{name}.key_secret")
+
+
+def _exists(entry: str, dir_fd: int) -> bool:
+    try:
+        os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

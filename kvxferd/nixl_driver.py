@@ -59,6 +59,20 @@ def nixl_api() -> ModuleType:
     return _api
 
 
+METADATA_HEAD = b"nixlSerDes|Agent"  # NIXL's serialized agent metadata: this, u64 LE length, the name
+
+
+def metadata_agent(blob: bytes) -> str:
+    """The agent a metadata blob names ("" if it is not NIXL's layout): read without loading it,
+    so a peer's blob that names an agent other than its own is refused before NIXL merges it."""
+    head = len(METADATA_HEAD)
+    if not blob.startswith(METADATA_HEAD) or len(blob) < head + 8:
+        return ""
+    size = int.from_bytes(blob[head:head + 8], "little")
+    name = blob[head + 8:head + 8 + min(size, 4096)]
+    return name.decode("utf-8", "replace") if size <= 4096 and len(name) == size else ""
+
+
 class NixlDriver:
     def __init__(self, name_prefix: str = "kvxferd", backends: tuple[str, ...] = ("UCX",),
                  telemetry: bool = True, progress_thread: bool = True, threads: int = 0,

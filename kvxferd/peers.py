@@ -52,10 +52,10 @@ from . import handshake as hs
 from . import protocol as P
 from .deadline import until_deadline
 from .engines import EngineKey, EngineRank
-from .identity import CurveKeys, KeyRefused, PeerKeys
+from .identity import CurveKeys, KeyRefused, PeerKeys, speaks_for
 from .lanes import Lanes
 from .memory import MemType
-from .nixl_driver import NixlDriver, PreparedList
+from .nixl_driver import NixlDriver, PreparedList, metadata_agent
 from .ownside import OwnSide
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
@@ -64,7 +64,10 @@ from .recorder import PeerState, Recorder, RetireReason
 
 log = logging.getLogger("kvxferd")
 
-PeerKey = tuple[str, str, int]  # (remote engine id, side-channel host, port)
+# (remote engine id, side-channel host, port, the daemon key dialed there: "" without CurveZMQ).
+# The key is part of who the peer is: a read naming another key is another peer's, and its
+# failed handshake is its own (it cannot fail the reads of a peer that proved its key).
+PeerKey = tuple[str, str, int, str]
 RouteKey = tuple[PeerKey, EngineKey]
 PREPARED_DESCRIPTORS_MAX = 1 << 23  # local + remote, per remote rank: above, reads post explicit rows
 Lane = Literal["nixl", "copy", "loop"]
@@ -95,9 +98,6 @@ def over_budget(plan: RankPlan, max_descriptors: int) -> str:
             "for its cache")
 
 
-def peer_key(ref: P.RemoteRef) -> PeerKey:
-    return ref.engine_id, ref.host, ref.port  # reads.Reads.start builds the same key inline
-
 
 @dataclass(eq=False)
 class Peer:
@@ -107,6 +107,7 @@ class Peer:
     host: str
     port: int
     ready: asyncio.Future[None]
+    server: str = ""  # the daemon key its handshake dialed (Z85; "" without CurveZMQ)
     agent: str = ""
     # The peer daemon's NIXL agent metadata for this engine's memory, from the handshake (one
     # blob per memory type); posting lanes load it on first use.
@@ -145,7 +146,7 @@ class Peer:
 
     @property
     def key(self) -> PeerKey:
-        return self.engine_id, self.host, self.port
+        return self.engine_id, self.host, self.port, self.server
 
     @property
     def address(self) -> str:
@@ -214,11 +215,11 @@ class Peers:
     async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: Callable[[], float]) -> Route:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new.
         `deadline()`: the read's deadline now (a pause of this daemon moves it on)."""
-        dial = self._dial(ref)
-        route = self.routes.get((peer_key(ref), er.key))
+        key = self.key_of(ref)
+        route = self.routes.get((key, er.key))
         if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             return route
-        peer = await self._peer(ref, deadline, dial)
+        peer = await self._peer(ref, key, deadline)
         if er.closing:  # unregistered while the handshake ran: no route for memory about to go
             raise PlanError(f"engine {er.engine_id} rank {er.tp_rank} unregistered during the handshake")
         if peer.retired:  # while this read waited (its engine closed here, or it went silent)
@@ -238,14 +239,14 @@ class Peers:
         """Ask the peer's side channel for the digests of rows a read took from it."""
         if self._self is not None and self.is_self(ref.host, ref.port):
             return await self._self.side.ask(req, hs.AuditReply)
-        return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._at(ref.host, ref.port))
+        return await hs.audit(self._ctx, ref.host, ref.port, req, timeout_s, self._dialing(self.key_of(ref)[3]))
 
     async def probe(self, peer: Peer, timeout_s: float) -> hs.ProbeReply:
         """Ask the peer's side channel whether its engine is still registered, and as which epoch."""
         if self._self is not None and peer.local:
             return await self._self.side.ask(hs.ProbeRequest(hs.HANDSHAKE_VERSION, peer.engine_id), hs.ProbeReply)
         return await hs.probe(self._ctx, peer.host, peer.port, peer.engine_id, min(timeout_s, self._timeout_s),
-                              self._at(peer.host, peer.port))
+                              self._dialing(peer.server))
 
     def is_self(self, host: str, port: int) -> bool:
         """`host:port` is this daemon's own side channel (as it advertises it, or on loopback)."""
@@ -255,28 +256,29 @@ class Peers:
         """Live peers whose handshake is done (what liveness.py watches)."""
         return [p for p in self._peers.values() if p.ready.done()]
 
-    def _dial(self, ref: P.RemoteRef) -> CurveKeys | None:
-        """The keys a handshake with `ref`'s daemon dials: the daemon key the read names (it must
-        be authorized: HandshakeError), else the key that address proved, else the default."""
+    def key_of(self, ref: P.RemoteRef) -> PeerKey:
+        """The peer a read names: its engine, address and the daemon key it names (none: the key
+        that address proved, else the default). Not checked here: a new peer's handshake checks
+        that the key is authorized (`_peer`)."""
         if self._keys is None:
-            return None
-        if not ref.daemon_key:
-            return self._keys.at(ref.host, ref.port)
-        try:
-            return self._keys.curve.dialing(self._keys.named(ref.daemon_key))
-        except KeyRefused as exc:
-            raise hs.HandshakeError("refused", f"{ref.host}:{ref.port}: {exc}") from None
+            return ref.engine_id, ref.host, ref.port, ""
+        return ref.engine_id, ref.host, ref.port, ref.daemon_key or self._keys.at(ref.host, ref.port)
 
-    def _at(self, host: str, port: int) -> CurveKeys | None:
-        return self._keys.at(host, port) if self._keys is not None else None
+    def _dialing(self, server: str) -> CurveKeys | None:
+        return self._keys.curve.dialing(server.encode()) if self._keys is not None else None
 
-    async def _peer(self, ref: P.RemoteRef, deadline: Callable[[], float], dial: CurveKeys | None) -> Peer:
+    async def _peer(self, ref: P.RemoteRef, key: PeerKey, deadline: Callable[[], float]) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
-        peer = self._peers.get(peer_key(ref))
+        peer = self._peers.get(key)
         if peer is None:
-            peer = self._peers[peer_key(ref)] = Peer(ref.engine_id, ref.host, ref.port,
-                                                     asyncio.get_running_loop().create_future())
-            task = asyncio.get_running_loop().create_task(self._handshake(peer, dial))
+            if self._keys is not None and ref.daemon_key:
+                try:
+                    self._keys.authorize(ref.daemon_key)
+                except KeyRefused as exc:
+                    raise hs.HandshakeError("refused", f"{ref.host}:{ref.port}: {exc}") from None
+            peer = self._peers[key] = Peer(ref.engine_id, ref.host, ref.port,
+                                           asyncio.get_running_loop().create_future(), key[3])
+            task = asyncio.get_running_loop().create_task(self._handshake(peer))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
             self._changed()
@@ -284,7 +286,7 @@ class Peers:
         await until_deadline(asyncio.shield(peer.ready), deadline)
         return peer
 
-    async def _handshake(self, peer: Peer, dial: CurveKeys | None) -> None:
+    async def _handshake(self, peer: Peer) -> None:
         t0 = time.perf_counter()
         try:
             local = self._self is not None and self.is_self(peer.host, peer.port)
@@ -295,7 +297,7 @@ class Peers:
                     raise hs.HandshakeError("refused", f"this daemon ({peer.address}): {reply.reason}")
             else:
                 reply = await hs.request(self._ctx, peer.host, peer.port, peer.engine_id, self._timeout_s,
-                                         self._nixl.name, dial)
+                                         self._nixl.name, self._dialing(peer.server))
             if not local and reply.agent == self._nixl.name:
                 # Our agent's name is no secret (every request of ours carries it): a peer that
                 # answers with it is this daemon under an address it does not know as its own, or
@@ -312,11 +314,19 @@ class Peers:
                 metadata = reply.all_metadata
                 if not metadata:
                     raise hs.HandshakeError("malformed", f"{peer.address} sent no NIXL metadata")
+                if self._keys is not None and not speaks_for(reply.agent, peer.server):
+                    raise hs.HandshakeError("invalid", f"{peer.address} answered under key {peer.server} with agent "
+                                                       f"{hs.printable(reply.agent[:80])}, another key's")
+                named = {metadata_agent(blob) for blob in metadata}
+                if named != {reply.agent}:  # checked before NIXL merges it into an agent already known
+                    raise hs.HandshakeError("invalid", f"{peer.address}'s metadata names agents "
+                                                       f"{sorted(hs.printable(n[:80]) for n in named)[:4]}, "
+                                                       f"not the agent it answered as")
                 for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
                     peer.agent = self._nixl.add_peer(blob)
                 peer.metadata = metadata  # posting lanes load it on first use
-            if dial is not None and self._keys is not None and not local:
-                self._keys.proved(peer.host, peer.port, dial.server_public)  # links and probes dial it too
+            if self._keys is not None and not local:
+                self._keys.proved(peer.host, peer.port, peer.server)  # links dial it, reads naming no key too
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             peer.epoch, peer.heard, peer.notices, peer.serve = reply.epoch, time.monotonic(), reply.notices, reply.serve
             peer.used = peer.probed = peer.heard

@@ -422,7 +422,7 @@ class Reads:
             t.claims = self._leases.take_expect(key, msg.request_id)  # the engine announced it
         self._per_rank[key] = self._per_rank.get(key, 0) + 1
         ref = msg.remote
-        route = self._routes.get(((ref.engine_id, ref.host, ref.port), (er.engine_id, er.tp_rank)))
+        route = self._routes.get((self._peers.key_of(ref), (er.engine_id, er.tp_rank)))
         attempts = ATTEMPTS
         if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             try:  # the common case: post right here, without a task or an await

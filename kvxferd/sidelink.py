@@ -196,7 +196,7 @@ class Links:
             if self._self_link is None:
                 self._self_link = SelfLink(self._own.answer)
             return self._self_link
-        curve = self._keys.at(host, port) if self._keys is not None else None
+        curve = self._keys.curve.dialing(self._keys.at(host, port).encode()) if self._keys is not None else None
         link = self._links.pop((host, port), None)
         if link is not None and curve is not None and link.server != curve.server_public:
             link.close()  # dialed with a key the address has since proved it does not hold

@@ -17,6 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 import zmq.auth
+from test_faults import wait_for
 
 from kvxferd import handshake as hs
 from kvxferd.identity import CurveKeys, fingerprint, generate_keys, speaks_for
@@ -30,10 +31,10 @@ TOKENS = 40
 @pytest.fixture
 def nodes(tmp_path):
     """Keypairs of a prefill node, a decode node and a third authorized node (the attacker),
-    each made by `kvxferd keys generate`; the prefill admits both others, the decode the prefill."""
+    each made by `kvxferd keys generate`; the prefill admits both others, the decode both too."""
     for name in ("p", "d", "a", "stranger"):
         generate_keys(str(tmp_path / name))
-    for admitting, admitted in (("p", "d"), ("p", "a"), ("d", "p"), ("a", "p")):
+    for admitting, admitted in (("p", "d"), ("p", "a"), ("d", "p"), ("d", "a"), ("a", "p")):
         shutil.copy(tmp_path / admitted / "kvxferd.key", tmp_path / admitting / "authorized" / f"{admitted}.key")
     return tmp_path
 
@@ -142,3 +143,60 @@ def test_speaks_for_binds_fingerprinted_names_to_their_key():
     assert not speaks_for(f"kvxferd-12-abcdef-{other}", a)
     assert speaks_for("kvxferd-12-abcdef", b)  # a daemon's from before fingerprints: unattributed
     assert speaks_for("", b)
+
+
+def test_a_read_naming_another_authorized_key_fails_alone(nodes):
+    """A hostile client names the attacker's key (authorized at the decode, public as every key
+    is) for the prefill's address, before any honest read: its handshake fails, and only it. An
+    honest read at the same moment dials the key its own remote names and is received."""
+    with Cluster(SHAPE, 1, 1, daemons=[start(nodes, "p"), start(nodes, "d")]) as c:
+        wrong = c.prefill.prefill(0, TOKENS, 30.0, read_token=c.read_token(0))
+        right = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        c.decode.post_read(0, TOKENS, msgspec.structs.replace(c.remote(0), daemon_key=public(nodes, "a")), wrong, 0,
+                           5.0)
+        c.decode.post_read(1, TOKENS, c.remote(1), right, 0, 5.0)
+        assert [o[0] for o in c.decode.wait_read(1, 15)] == ["received"]
+        failed = c.decode.wait_read(0, 15)
+        assert [o[0] for o in failed] == ["failed"] and "no handshake answer" in failed[0][2], failed
+
+
+def test_a_nixl_notification_in_a_keyed_daemons_name_counts_for_nothing(nodes):
+    """NIXL reports the sender name its sender declares. An attacker that handshook under its own
+    key names its NIXL agent as the victim decode daemon (whose name carries its key's
+    fingerprint) and notifies, with the token, over NIXL: a keyed daemon's notices travel on the
+    side channel, so the prefill counts this one `unauthorized`, and the victim's hold stays."""
+    from kvxferd.nixl_driver import nixl_api
+
+    with Cluster(SHAPE, 1, 1, daemons=[start(nodes, "p"), start(nodes, "d")]) as c:
+        c.transfer(0, TOKENS)
+        victim = c.status(1).agent
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        pub, sec = zmq.auth.load_certificate(nodes / "a" / "kvxferd.key_secret")
+
+        async def handshake() -> hs.HandshakeReply:
+            ctx = zmq.asyncio.Context()
+            try:
+                return await hs.request(ctx, c.host, c.port, "prefill", 5.0, f"kvxferd-1-00-{fingerprint(pub)}",
+                                        CurveKeys(pub, sec, c.daemon_key.encode(), ""))
+            finally:
+                ctx.destroy(0)
+        reply = asyncio.run(handshake())
+        api = nixl_api()
+        poser = api.nixl_agent(victim, api.nixl_agent_config(backends=["UCX"]))
+        target = poser.add_remote_agent(reply.all_metadata[0])
+        before = c.status(0).counters.unauthorized_notifs
+        poser.send_notif(target, msgspec.msgpack.encode(hs.Notification("prefill", 0, "req-1", 1, c.read_token(1))))
+        wait_for(lambda: c.status(0).counters.unauthorized_notifs > before, 10, "the forged notification")
+        assert [h.request for h in c.status(0).held] == ["req-1"]
+        assert c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"]
+
+
+def test_metadata_names_its_agent():
+    from kvxferd.nixl_driver import metadata_agent, nixl_api
+
+    api = nixl_api()
+    agent = api.nixl_agent("kvxferd-7-ab-k" + "0" * 32, api.nixl_agent_config(backends=["UCX"]))
+    assert metadata_agent(agent.get_agent_metadata()) == "kvxferd-7-ab-k" + "0" * 32
+    assert metadata_agent(b"nixlSerDes|Agent" + (1 << 40).to_bytes(8, "little") + b"x") == ""
+    assert metadata_agent(b"something else") == ""

@@ -277,7 +277,7 @@ def test_helm_chart_lints_and_renders_valid_manifests():
     # the defaults keep the metrics on the node; a ServiceMonitor must ask for them beyond it
     default = _render(CURVE)
     assert _kvxferd_env(default)["KVXFERD_METRICS_HOST"] == "127.0.0.1"
-    with pytest.raises(helm.HelmRenderError, match="serviceMonitor.enabled needs the metrics beyond loopback"):
+    with pytest.raises(helm.HelmRenderError, match=r"serviceMonitor\.enabled needs the metrics beyond loopback"):
         _render({"serviceMonitor": {"enabled": True}, **CURVE})
     # per-node keys from the node: the authorized directory beside the key
     per_node = _render({"curve": {"hostPath": "/etc/kvxferd/curve"}})
@@ -425,7 +425,8 @@ def _documented_systemd_steps() -> list[str]:
     block = doc[doc.index("## systemd"):]
     block = block[block.index("```\n") + 4:]
     lines = [line.split("  #")[0].strip() for line in block[:block.index("```")].splitlines()]
-    return [line for line in lines if line and not line.startswith(("pip ", "systemctl ", "install -m 0644 deploy/systemd"))]
+    skipped = ("pip ", "systemctl ", "install -m 0644 deploy/systemd")
+    return [line for line in lines if line and not line.startswith(skipped)]
 
 
 @needs_pods
