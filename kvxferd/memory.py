@@ -45,10 +45,16 @@ def fs_type(fd: int) -> int:
 
 def sealed_memfd(nbytes: int, name: str = "kvxferd-kv") -> int:
     """Engine side: a memfd of `nbytes`, sealed against shrinking (the daemon refuses one that is
-    not: pages cut off under its mapping would kill it with SIGBUS on the next read)."""
+    not: pages cut off under its mapping would kill it with SIGBUS on the next read), its pages
+    allocated now, charged to the engine (the daemon refuses a sparse one: see `map_shm`)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, nbytes)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -83,8 +89,17 @@ class Mapping:
         self._keep = None
 
 
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
+
+
 def map_shm(fd: int, nbytes: int) -> Mapping:
-    """Daemon side: map an engine's memfd. The fd is closed; the mapping keeps the pages."""
+    """Daemon side: map an engine's memfd. The fd is closed; the mapping keeps the pages.
+
+    The engine pays for its memory: every page must be allocated when it registers (a hole would
+    be allocated by whoever touches it first: the daemon's digest, a peer's READ through the
+    daemon's mapping, charged to the daemon). Once mapped, the daemon seals the memfd against
+    future writes (F_SEAL_FUTURE_WRITE): the two mappings made before stay writable, but no hole
+    can be punched any more (fallocate and madvise(MADV_REMOVE) fail with EPERM)."""
     try:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -101,11 +116,33 @@ def map_shm(fd: int, nbytes: int) -> Mapping:
         if size < nbytes:
             raise MappingError(f"shared memory fd holds {size} B, engine declared {nbytes} B")
         buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            _seal_holes(fd)
+        except BaseException:
+            buf.close()
+            raise
     except OSError as exc:
         raise MappingError(f"cannot map shared memory fd: {exc}") from exc
     finally:
         os.close(fd)
     return Mapping("DRAM", buffer_address(buf), nbytes, 0, buf)
+
+
+def _seal_holes(fd: int) -> None:
+    """No hole now (MappingError), none later (sealed first: a hole punched between the check
+    and the seal would pass)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    except PermissionError:
+        raise MappingError("shared memory fd must let the daemon seal it against new writers "
+                           "(F_SEAL_FUTURE_WRITE; it is sealed with F_SEAL_SEAL)") from None
+    # st_blocks counts fallocated pages too (SEEK_HOLE does not: tmpfs reports them as holes)
+    st = os.fstat(fd)  # the whole file: a count over its size says nothing of which pages
+    allocated = st.st_blocks * 512
+    if allocated < st.st_size:
+        raise MappingError(f"shared memory fd is sparse: {allocated} of its {st.st_size} B have pages; allocate them "
+                           "before registering (posix_fallocate; kvxferd.memory.sealed_memfd does), or the "
+                           "daemon would pay for them")
 
 
 def export_cuda(tensor: Any) -> bytes:  # a torch.Tensor on a CUDA device

@@ -205,7 +205,7 @@ class Peers:
         self._lanes = lanes
         self._recorder = recorder
         self._timeout_s = timeout_s
-        self._keys = keys
+        self.keys = keys  # read by reads.py's fast path (key_of, inline)
         self._peers: dict[PeerKey, Peer] = {}
         self.routes: dict[RouteKey, Route] = {}  # ready routes of live peers (the reads' fast path)
         self._retired: dict[Route, Peer] = {}  # routes of retired peers, until no read uses them
@@ -260,20 +260,20 @@ class Peers:
         """The peer a read names: its engine, address and the daemon key it names (none: the key
         that address proved, else the default). Not checked here: a new peer's handshake checks
         that the key is authorized (`_peer`)."""
-        if self._keys is None:
+        if self.keys is None:
             return ref.engine_id, ref.host, ref.port, ""
-        return ref.engine_id, ref.host, ref.port, ref.daemon_key or self._keys.at(ref.host, ref.port)
+        return ref.engine_id, ref.host, ref.port, ref.daemon_key or self.keys.at(ref.host, ref.port)
 
     def _dialing(self, server: str) -> CurveKeys | None:
-        return self._keys.curve.dialing(server.encode()) if self._keys is not None else None
+        return self.keys.curve.dialing(server.encode()) if self.keys is not None else None
 
     async def _peer(self, ref: P.RemoteRef, key: PeerKey, deadline: Callable[[], float]) -> Peer:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(key)
         if peer is None:
-            if self._keys is not None and ref.daemon_key:
+            if self.keys is not None and ref.daemon_key:
                 try:
-                    self._keys.authorize(ref.daemon_key)
+                    self.keys.authorize(ref.daemon_key)
                 except KeyRefused as exc:
                     raise hs.HandshakeError("refused", f"{ref.host}:{ref.port}: {exc}") from None
             peer = self._peers[key] = Peer(ref.engine_id, ref.host, ref.port,
@@ -314,7 +314,7 @@ class Peers:
                 metadata = reply.all_metadata
                 if not metadata:
                     raise hs.HandshakeError("malformed", f"{peer.address} sent no NIXL metadata")
-                if self._keys is not None and not speaks_for(reply.agent, peer.server):
+                if self.keys is not None and not speaks_for(reply.agent, peer.server):
                     raise hs.HandshakeError("invalid", f"{peer.address} answered under key {peer.server} with agent "
                                                        f"{hs.printable(reply.agent[:80])}, another key's")
                 named = {metadata_agent(blob) for blob in metadata}
@@ -325,8 +325,8 @@ class Peers:
                 for blob in metadata:  # for an agent loaded already (another engine there), NIXL adds
                     peer.agent = self._nixl.add_peer(blob)
                 peer.metadata = metadata  # posting lanes load it on first use
-            if self._keys is not None and not local:
-                self._keys.proved(peer.host, peer.port, peer.server)  # links dial it, reads naming no key too
+            if self.keys is not None and not local:
+                self.keys.proved(peer.host, peer.port, peer.server)  # links dial it, reads naming no key too
             peer.ranks, peer.since, peer.handshake_s = ranks, time.time(), time.perf_counter() - t0
             peer.epoch, peer.heard, peer.notices, peer.serve = reply.epoch, time.monotonic(), reply.notices, reply.serve
             peer.used = peer.probed = peer.heard

@@ -372,6 +372,7 @@ class Reads:
         self._lanes = lanes
         self._peers = peers
         self._routes = peers.routes  # read only: the fast path's lookup
+        self._keys = peers.keys  # the daemon keys peers proved: part of a route's key
         self._recorder = recorder
         self._max_deadline_s = max_deadline_s
         self._in_flight: dict[ReadKey, Transfer] = {}
@@ -422,7 +423,9 @@ class Reads:
             t.claims = self._leases.take_expect(key, msg.request_id)  # the engine announced it
         self._per_rank[key] = self._per_rank.get(key, 0) + 1
         ref = msg.remote
-        route = self._routes.get((self._peers.key_of(ref), (er.engine_id, er.tp_rank)))
+        keys = self._keys  # Peers.key_of, inline: the hot path
+        server = "" if keys is None else ref.daemon_key or keys.at(ref.host, ref.port)
+        route = self._routes.get(((ref.engine_id, ref.host, ref.port, server), (er.engine_id, er.tp_rank)))
         attempts = ATTEMPTS
         if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             try:  # the common case: post right here, without a task or an await

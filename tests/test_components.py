@@ -122,7 +122,7 @@ async def make_world(notices: bool = False, peer: int = hs.SERVE_VERSION) -> Asy
     d.register("decode")
     holds = Holds(p.engines, p.nixl, p.recorder, max_lease_s=60)
     no_lanes = Lanes(0, 8 << 20, "d", ("UCX",))  # every read posted whole on the daemon's agent
-    peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, curve=None, lanes=no_lanes)
+    peers = Peers(ctx, d.nixl, d.recorder, timeout_s=5, keys=None, lanes=no_lanes)
     links = Links(ctx, None)
     reads = Reads(d.nixl, peers, d.recorder, max_deadline_s=60, lanes=no_lanes,
                   notices=Notices(links, d.recorder, d.nixl.name) if notices else None)

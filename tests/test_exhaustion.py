@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import errno
 import os
 import resource
 import socket
@@ -342,6 +343,41 @@ def test_engine_memory_must_be_sealed_against_shrinking(tmp_path):
             with pytest.raises(PermissionError):
                 os.ftruncate(fd, 4096)
             c.hold("r", 5.0, [[3]])
+        os.close(fd)
+        mm.close()
+        assert daemon.proc.poll() is None
+    finally:
+        daemon.stop()
+
+
+def test_sparse_engine_memory_is_refused_and_no_hole_can_be_punched_after(tmp_path):
+    """The engine pays for its memory: a memfd with unallocated pages is refused at registration
+    by name (the daemon would fault them in on its own account: a digest, a peer's READ), and
+    once registered none can be made (the daemon seals it against new writers: a punched hole
+    and madvise(MADV_REMOVE) fail) while both mappings still write."""
+    import ctypes
+    import fcntl
+
+    daemon = DaemonProcess(tmp_path, "daemon")
+    geo = build(SHAPE, 1, 0)
+    try:
+        sparse = os.memfd_create("sparse", os.MFD_ALLOW_SEALING)
+        os.ftruncate(sparse, geo.buffers[0])
+        fcntl.fcntl(sparse, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with EngineClient(daemon.socket, "sparse", 0, 1) as c, pytest.raises(DaemonError) as refused:
+            c.register(geo, shm_fds=[sparse])
+        os.close(sparse)
+        assert refused.value.code == "bad_request" and "sparse: 0 of its" in str(refused.value)
+
+        fd, mm = create_shm(geo.buffers[0])
+        with EngineClient(daemon.socket, "filled", 0, 1) as c:
+            c.register(geo, shm_fds=[fd])
+            libc = ctypes.CDLL(None, use_errno=True)
+            punch = libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(1 << 20))  # KEEP_SIZE | PUNCH_HOLE
+            assert punch == -1 and ctypes.get_errno() == errno.EPERM
+            assert os.fstat(fd).st_blocks * 512 >= geo.buffers[0]  # every page still there
+            mm[:4] = b"kvx!"  # the engine's own mapping still writes
+            c.hold("r", 5.0, [[3]], digest=True)
         os.close(fd)
         mm.close()
         assert daemon.proc.poll() is None
