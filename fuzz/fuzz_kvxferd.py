@@ -49,15 +49,18 @@ with atheris.instrument_imports(include=["kvxferd", "msgspec"]):
 
     from kvxferd import doorbell as D
     from kvxferd import handshake as hs
+    from kvxferd import identity as idn
     from kvxferd import integrity
     from kvxferd import leases as leases_mod
     from kvxferd import protocol as P
     from kvxferd.memory import Mapping
+    from kvxferd.nixl_driver import metadata_agent
     from kvxferd.plan.descriptors import RequestBlocks, request_indices
     from kvxferd.plan.geometry import Geometry, GeometryError, validate
     from kvxferd.plan.models import PRESETS, build
     from kvxferd.plan.planner import PlanError, plan_rank
     from kvxferd.rpc import FrameError, FrameReader
+    from kvxferd.vllm.handoff import HandoffError, parse_remote
 
 DECODE_ERRORS = P.DECODE_ERRORS
 
@@ -105,6 +108,31 @@ def fuzz_grant(data: bytes) -> None:
         assert all(g.dtype == np.dtype("<i4") and (np.diff(g) >= 0).all() for g in granted)
         outside = leases_mod.ungranted(granted, read)
         assert len(outside) == len(read) and all(len(o) <= 8 for o in outside)
+
+
+def fuzz_identity(data: bytes) -> None:
+    """Attribution and the daemon keys a peer or a client names: a name with a fingerprint speaks
+    for its key alone, a metadata blob names at most a bounded agent, a named key is Z85 or refused."""
+    requester, _, sender = data.decode("utf-8", "replace").partition("\0")
+    allowed = idn.speaks_for(requester, sender)
+    assert allowed == (not idn.fingerprinted(requester) or requester.endswith("-" + idn.fingerprint(sender)))
+    assert len(metadata_agent(data)) <= 4096
+    try:
+        remote = msgspec.msgpack.decode(data, type=P.RemoteRef)
+    except DECODE_ERRORS:
+        remote = None
+    assert remote is None or remote.daemon_key == "" or idn.Z85_KEY.fullmatch(remote.daemon_key)
+    try:
+        params = msgspec.msgpack.decode(data)
+    except DECODE_ERRORS:
+        return
+    if isinstance(params, dict):
+        try:
+            prefill = parse_remote(params, 1)
+        except HandoffError:
+            return
+        key = prefill.remote.daemon_key
+        assert key == "" or idn.Z85_KEY.fullmatch(key)
 
 
 def fuzz_frames(data: bytes) -> None:
@@ -308,6 +336,12 @@ def seeds(target: str) -> list[bytes]:
         return [enc(hs.LeaseReply(True, seq=1, answers=[
             hs.ClaimAnswer("held", 20.0, "e", [np.arange(5, dtype="<i4").tobytes(), b""]),
             hs.ClaimAnswer("held", 1.0, "", [b"\7\0\0"])]))]
+    if target == "identity":
+        key = "rq[:4ikL5ecO=*C@}2uN8#sBzt(}A.T4+/X7{%Fa"
+        return [f"kvxferd-1-ab-{idn.fingerprint(key)}\0{key}".encode(), b"nixlSerDes|Agent\x05" + bytes(7) + b"agent",
+                enc(msgspec.structs.replace(ref, daemon_key=key)),
+                enc({"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "h", "remote_port": 5600,
+                     "remote_block_ids": [1, 2], "tp_size": 1, "remote_daemon_key": key})]
     if target == "doorbell":
         record = D.HEADER.pack(0) + b"".join(
             D.HEADER.pack(len(b)) + b for b in (enc(P.Completion("r", "received", nbytes=1 << 20, seconds=0.1)),
@@ -318,7 +352,8 @@ def seeds(target: str) -> list[bytes]:
 
 TARGETS = {"request": fuzz_request, "side_channel": fuzz_side_channel, "frames": fuzz_frames,
            "geometry": fuzz_geometry, "audit_rows": fuzz_audit_rows, "audit": fuzz_audit,
-           "plan_budget": fuzz_plan_budget, "doorbell": fuzz_doorbell, "grant": fuzz_grant}
+           "plan_budget": fuzz_plan_budget, "doorbell": fuzz_doorbell, "grant": fuzz_grant,
+           "identity": fuzz_identity}
 
 
 def run_all(seconds: int) -> None:

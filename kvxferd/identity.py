@@ -41,7 +41,7 @@ import zmq.auth
 log = logging.getLogger("kvxferd")
 
 Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a 32-byte key in Z85
-_FINGERPRINTED = re.compile(r".*-(k[0-9a-f]{32})")
+_FINGERPRINTED = re.compile(r".*-(k[0-9a-f]{32})", re.DOTALL)
 
 
 def fingerprint(public: bytes | str) -> str:

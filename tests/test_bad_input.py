@@ -15,16 +15,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxferd import handshake as hs
+from kvxferd import identity as idn
 from kvxferd import leases as leases_mod
 from kvxferd import protocol as P
 from kvxferd.client import Client, DaemonError
 from kvxferd.lab.synthetic.demo import Cluster
 from kvxferd.memory import create_shm
+from kvxferd.nixl_driver import metadata_agent
 from kvxferd.plan.descriptors import RequestBlocks, request_indices
 from kvxferd.plan.geometry import ATTENTION, STATE, CacheGroup, Geometry, GeometryError, Region, Segment, View, validate
 from kvxferd.plan.models import PRESETS, build
 from kvxferd.plan.planner import PlanError, plan_rank
 from kvxferd.rpc import FrameError, FrameReader
+from kvxferd.vllm.handoff import HandoffError, parse_remote
 
 SHAPE = msgspec.structs.replace(PRESETS["dense"], num_blocks=64, layers=2)
 DECODE_ERRORS = P.DECODE_ERRORS
@@ -105,6 +108,29 @@ def test_a_grant_of_any_bytes_is_refused_or_bounds_the_read(blocks, read_ids):
         assert set(out) == set(ids[~np.isin(ids, g)][:8].tolist())
         assert set(out) <= set(read_ids) and not set(out) & set(g.tolist())
     assert leases_mod.ungranted(granted, [*read, np.array([1])])[-1] == [1]  # a group it does not list: refused
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80), st.sampled_from([k.decode() for k in (zmq.curve_keypair()[0], zmq.curve_keypair()[0])]),
+       st.binary(max_size=64), st.text(max_size=50))
+def test_names_and_keys_a_peer_or_client_sends_are_attributed_or_refused(name, sender, blob, named_key):
+    """Attribution (identity.py): a requester with a key's fingerprint speaks for that key alone,
+    any other name for nobody else's; a metadata blob names a bounded agent or none; a daemon key a
+    client names is 40 characters of Z85 or refused."""
+    keyed = f"{name}-{idn.fingerprint(sender)}"
+    assert idn.speaks_for(keyed, sender) and idn.fingerprinted(keyed)
+    assert idn.speaks_for(name, sender) == (not idn.fingerprinted(name) or name.endswith(idn.fingerprint(sender)))
+    assert metadata_agent(blob) == ""  # not NIXL's layout
+    named = name.encode()
+    assert metadata_agent(b"nixlSerDes|Agent" + len(named).to_bytes(8, "little") + named + blob) == name
+    assert metadata_agent(b"nixlSerDes|Agent" + (len(named) + len(blob) + 1).to_bytes(8, "little") + named + blob) == ""
+    params = {"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
+              "remote_block_ids": [1], "tp_size": 1, "remote_daemon_key": named_key}
+    try:
+        assert parse_remote(params, 1).remote.daemon_key == named_key
+        assert named_key == "" or idn.Z85_KEY.fullmatch(named_key)
+    except HandoffError as exc:
+        assert "remote_daemon_key" in str(exc) and not idn.Z85_KEY.fullmatch(named_key)
 
 
 def _mutated_replies():
