@@ -271,6 +271,10 @@ class Holds:
                 raise RequestError("bad_request", f"request {msg.request_id!r} is held under another read_token")
             return False
         _check_block_ids(er, msg.block_ids)
+        for mapping in er.mappings:  # a hole punched since it registered: the daemon would pay for its pages
+            if why := mapping.sparse():
+                raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank}'s memory lost pages "
+                                                  f"since it registered ({why}): no hold of it is kept")
         held = self._per_rank.get(er.key, 0) + also_new
         if held >= self._max_per_rank:
             raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} holds {held} requests "

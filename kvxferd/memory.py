@@ -82,24 +82,28 @@ class Mapping:
     nbytes: int
     device: int
     _keep: object  # the mmap or the CUDA storage that keeps the mapping alive
+    fd: int = -1  # a host memfd's, kept to see whether its engine punched a hole since (`sparse`)
+
+    def sparse(self) -> str:
+        """Why the engine's memfd now lacks pages ("": it has them all, or it is not a memfd)."""
+        return sparse(self.fd) if self.fd >= 0 else ""
 
     def close(self) -> None:
         if hasattr(self._keep, "close"):  # mmap or VMM mapping; CUDA IPC storages just drop
             self._keep.close()
         self._keep = None
-
-
-F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def map_shm(fd: int, nbytes: int) -> Mapping:
-    """Daemon side: map an engine's memfd. The fd is closed; the mapping keeps the pages.
+    """Daemon side: map an engine's memfd; the mapping keeps the fd (see `Mapping.sparse`).
 
-    The engine pays for its memory: every page must be allocated when it registers (a hole would
+    The engine pays for its memory: every page must be allocated when it registers. A hole would
     be allocated by whoever touches it first: the daemon's digest, a peer's READ through the
-    daemon's mapping, charged to the daemon). Once mapped, the daemon seals the memfd against
-    future writes (F_SEAL_FUTURE_WRITE): the two mappings made before stay writable, but no hole
-    can be punched any more (fallocate and madvise(MADV_REMOVE) fail with EPERM)."""
+    daemon's mapping, charged to the daemon. (Sealing it against new writers would stop holes
+    being punched after, but a restarted daemon could then no longer map it writable.)"""
     try:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -115,34 +119,25 @@ def map_shm(fd: int, nbytes: int) -> Mapping:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise MappingError(f"shared memory fd holds {size} B, engine declared {nbytes} B")
+        if why := sparse(fd):
+            raise MappingError(f"{why}; allocate its pages before registering (posix_fallocate; "
+                               "kvxferd.memory.sealed_memfd does), or the daemon would pay for them")
         buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            _seal_holes(fd)
-        except BaseException:
-            buf.close()
-            raise
-    except OSError as exc:
-        raise MappingError(f"cannot map shared memory fd: {exc}") from exc
-    finally:
+    except BaseException as exc:
         os.close(fd)
-    return Mapping("DRAM", buffer_address(buf), nbytes, 0, buf)
+        if isinstance(exc, OSError):
+            raise MappingError(f"cannot map shared memory fd: {exc}") from exc
+        raise
+    return Mapping("DRAM", buffer_address(buf), nbytes, 0, buf, fd)
 
 
-def _seal_holes(fd: int) -> None:
-    """No hole now (MappingError), none later (sealed first: a hole punched between the check
-    and the seal would pass)."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
-    except PermissionError:
-        raise MappingError("shared memory fd must let the daemon seal it against new writers "
-                           "(F_SEAL_FUTURE_WRITE; it is sealed with F_SEAL_SEAL)") from None
-    # st_blocks counts fallocated pages too (SEEK_HOLE does not: tmpfs reports them as holes)
-    st = os.fstat(fd)  # the whole file: a count over its size says nothing of which pages
+def sparse(fd: int) -> str:
+    """Why the memfd has pages missing ("" when every page is allocated). st_blocks counts
+    fallocated pages too (SEEK_HOLE does not: tmpfs reports those as holes), over the whole file:
+    a count over part of it would say nothing of which pages."""
+    st = os.fstat(fd)
     allocated = st.st_blocks * 512
-    if allocated < st.st_size:
-        raise MappingError(f"shared memory fd is sparse: {allocated} of its {st.st_size} B have pages; allocate them "
-                           "before registering (posix_fallocate; kvxferd.memory.sealed_memfd does), or the "
-                           "daemon would pay for them")
+    return f"shared memory fd is sparse: {allocated} of its {st.st_size} B have pages" if allocated < st.st_size else ""
 
 
 def export_cuda(tensor: Any) -> bytes:  # a torch.Tensor on a CUDA device

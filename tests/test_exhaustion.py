@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import errno
 import os
 import resource
 import socket
@@ -350,11 +349,11 @@ def test_engine_memory_must_be_sealed_against_shrinking(tmp_path):
         daemon.stop()
 
 
-def test_sparse_engine_memory_is_refused_and_no_hole_can_be_punched_after(tmp_path):
+def test_sparse_engine_memory_is_refused_at_registration_and_at_each_hold(tmp_path):
     """The engine pays for its memory: a memfd with unallocated pages is refused at registration
-    by name (the daemon would fault them in on its own account: a digest, a peer's READ), and
-    once registered none can be made (the daemon seals it against new writers: a punched hole
-    and madvise(MADV_REMOVE) fail) while both mappings still write."""
+    by name (the daemon would fault them in on its own account: a digest, a peer's READ); one
+    whose engine punched a hole after registering gets no hold kept, by name, until it is
+    whole again."""
     import ctypes
     import fcntl
 
@@ -372,12 +371,13 @@ def test_sparse_engine_memory_is_refused_and_no_hole_can_be_punched_after(tmp_pa
         fd, mm = create_shm(geo.buffers[0])
         with EngineClient(daemon.socket, "filled", 0, 1) as c:
             c.register(geo, shm_fds=[fd])
-            libc = ctypes.CDLL(None, use_errno=True)
-            punch = libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(1 << 20))  # KEEP_SIZE | PUNCH_HOLE
-            assert punch == -1 and ctypes.get_errno() == errno.EPERM
-            assert os.fstat(fd).st_blocks * 512 >= geo.buffers[0]  # every page still there
-            mm[:4] = b"kvx!"  # the engine's own mapping still writes
             c.hold("r", 5.0, [[3]], digest=True)
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(1 << 20)) == 0  # KEEP_SIZE | PUNCH_HOLE
+            with pytest.raises(DaemonError, match="memory lost pages since it registered"):
+                c.hold("s", 5.0, [[4]], digest=True)
+            os.posix_fallocate(fd, 0, geo.buffers[0])  # whole again: held
+            c.hold("s", 5.0, [[4]], digest=True)
         os.close(fd)
         mm.close()
         assert daemon.proc.poll() is None

@@ -336,7 +336,7 @@ def test_a_refused_read_lets_go_of_what_its_engine_expected():
             async def ask(self, req, timeout_s):
                 return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0) for _ in req.claims])
         leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
-        peers = SimpleNamespace(routes={})
+        peers = SimpleNamespace(routes={}, keys=None)
         reads = Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(), max_per_rank=0, leases=leases)
         er = SimpleNamespace(engine_id="decode", tp_rank=0, geometry=SimpleNamespace(groups=[object()]))
         ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "p-1")
@@ -469,8 +469,8 @@ def _stand_in_reads(monkeypatch, link, nbytes: int, posted: list, completions: l
 
     async def cached(ref, er, deadline):
         return route
-    peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port), ("decode", 0)): route}, route=cached,
-                            retire=lambda *a: None)
+    peers = SimpleNamespace(routes={((ref.engine_id, ref.host, ref.port, ""), ("decode", 0)): route}, route=cached,
+                            retire=lambda *a: None, keys=None)
     reads = reads_mod.Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(slices=lambda n: 0),
                             leases=leases, on_posted=lambda: None)
     return reads, er, ref, leases

@@ -106,7 +106,7 @@ def through_reads(states: dict[str, str], refuse: dict[str, int], leases: Leases
     stand-in agent; the first is returned."""
     agent = Agent(states, refuse)
     retired: list[str] = []  # the peers a failed READ retires (their routes handshake again)
-    peers = SimpleNamespace(routes={}, retire=lambda peer, why: retired.append(why))
+    peers = SimpleNamespace(routes={}, keys=None, retire=lambda peer, why: retired.append(why))
     reads = Reads(driver(agent), peers, Recorder(), 60.0, SimpleNamespace(), leases=leases)
     for i, request_id in enumerate(requests):
         t = transfer(request_id)
@@ -222,7 +222,7 @@ class Checked:
 
 
 def test_a_read_whose_check_raises_ends_internal_and_the_others_are_still_checked():
-    reads = Reads(SimpleNamespace(), SimpleNamespace(routes={}), Recorder(), 60.0, SimpleNamespace())
+    reads = Reads(SimpleNamespace(), SimpleNamespace(routes={}, keys=None), Recorder(), 60.0, SimpleNamespace())
     broken, fine = transfer("broken"), transfer("fine")
     broken.postings, fine.postings = [Checked(defect=True)], [Checked(defect=False)]
     for t in (broken, fine):

@@ -19,8 +19,8 @@ MAX_DEADLINE_S = 60.0
 
 
 def reads_with(pausing=lambda now: False) -> Reads:
-    return Reads(SimpleNamespace(), SimpleNamespace(routes={}), Recorder(), MAX_DEADLINE_S, SimpleNamespace(),
-                 pausing=pausing)
+    return Reads(SimpleNamespace(), SimpleNamespace(routes={}, keys=None), Recorder(), MAX_DEADLINE_S,
+                 SimpleNamespace(), pausing=pausing)
 
 
 def transfer(reads: Reads, request_id: str, started: float, deadline_s: float) -> Transfer:

@@ -39,14 +39,18 @@ class Blocks:  # vllm.v1.core.kv_cache_manager.KVCacheBlocks
 
 
 def side(groups=ATTENTION) -> SchedulerSide:
-    return SchedulerSide("engine-p", 2, groups, 30.0, lambda: ("10.0.0.1", 5600))
+    return SchedulerSide("engine-p", 2, groups, 30.0, lambda: ("10.0.0.1", 5600, DAEMON_KEY))
 
 
 TOKEN = "ab" * 16
 
 
+DAEMON_KEY = "rq[:4ikL5ecO=*C@}2uN8#sBzt(}A.T4+/X7{%Fa"  # a CurveZMQ public key, as the daemon registers it
+
+
 def prefill_params(num_tokens=100, blocks=(4, 5, 6, 7), token=TOKEN) -> dict:
-    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens, [BS], token)
+    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [list(blocks)], num_tokens, [BS], token,
+                                  DAEMON_KEY)
 
 
 def test_prefill_holds_and_answers_with_what_decode_needs():
@@ -65,6 +69,10 @@ def test_prefill_holds_and_answers_with_what_decode_needs():
 
 def test_decode_presents_the_read_token_it_was_given():
     assert handoff.parse_remote(prefill_params(), 1).remote.read_token == TOKEN
+    assert handoff.parse_remote(prefill_params(), 1).remote.daemon_key == DAEMON_KEY  # the key D's daemon dials
+    for bad in ("x" * 39, DAEMON_KEY + "\n", 7):
+        with pytest.raises(handoff.HandoffError, match="remote_daemon_key"):
+            handoff.parse_remote(dict(prefill_params(), remote_daemon_key=bad), 1)
     with pytest.raises(handoff.HandoffError, match="remote_read_token"):
         handoff.parse_remote(dict(prefill_params(), remote_read_token=["x"]), 1)
 
@@ -83,7 +91,7 @@ def test_decode_reads_the_missing_tail_only():
     s.after_alloc(req, Blocks([[10, 11, 12, 13]]), 36)
     (read,) = s.take_orders().reads
     assert read.local_blocks == [[12, 13]] and read.remote_blocks == [[4, 5, 6, 7]] and read.num_tokens == 100
-    assert read.remote == handoff.RemoteRef("engine-p", "10.0.0.1", 5600, 2, "req-p", TOKEN)
+    assert read.remote == handoff.RemoteRef("engine-p", "10.0.0.1", 5600, 2, "req-p", TOKEN, DAEMON_KEY)
     assert req.kv_transfer_params["do_remote_prefill"] is False  # read once, not again after a preemption
 
 

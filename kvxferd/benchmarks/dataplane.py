@@ -55,25 +55,30 @@ def _raw_memory(role: str, page: int, n: int, device: str, shared: list[tuple[st
         Any, list[tuple[int, int]], str]:
     """A raw side's memory: (what keeps it alive, its buffers as (address, bytes), NIXL's kind).
     `shared`: an engine's memfds, as /proc paths, mapped instead of memory of its own (the same
-    pages kvxferd moves)."""
+    pages kvxferd moves): the target's read-only; the reader's writable unless the daemon sealed
+    them against new writers (memory.map_shm), and then a memfd of its own of the same size."""
     size = 2 * n * page
     if device == "cuda-vmm":
         from ..memory import VmmBuffer
         vmm = VmmBuffer(size)
         return vmm, [(vmm.address, size)], "VRAM"
-    if shared is None:
+    maps = []
+    writable = role == "reader"
+    try:
+        for path, nbytes in shared or []:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)))
+            finally:
+                os.close(fd)
+    except PermissionError:  # sealed by the daemon that maps them
+        maps = []
+    if not maps:
         fd, mm = create_shm(size, f"raw-{role}")  # memory of the kind engines register (a memfd)
         os.close(fd)  # the mapping keeps it
         np.frombuffer(mm, dtype=np.uint8)[:] = 0x5A
         maps = [mm]
-    else:
-        maps = []
-        for path, nbytes in shared:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-            finally:
-                os.close(fd)
     return maps, [(np.frombuffer(mm, dtype=np.uint8).ctypes.data, len(mm)) for mm in maps], "DRAM"
 
 
