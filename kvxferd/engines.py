@@ -164,10 +164,15 @@ class Engines:
                     mappings.append(map_cuda_vmm(pending.popleft(), m.nbytes, m.device))
                 else:
                     mappings.append(map_cuda(m.cuda_handle, m.nbytes))
-        except MappingError as exc:
+        except BaseException as exc:  # whatever failed (a bad CUDA handle too), nothing made is kept
             for mp in mappings:
                 mp.close()
-            raise RequestError("bad_request", str(exc)) from None
+            if isinstance(exc, MappingError | RequestError):
+                raise RequestError("bad_request", str(exc)) if isinstance(exc, MappingError) else exc from None
+            if isinstance(exc, Exception):
+                raise RequestError("bad_request", f"engine memory could not be mapped: {type(exc).__name__}: "
+                                                  f"{str(exc)[:200]}") from None
+            raise
         finally:
             for fd in pending:
                 os.close(fd)

@@ -102,7 +102,11 @@ class AuthorizedKeys:
         with os.scandir(self.directory) as it:
             for entry in it:
                 if entry.name.endswith(".key"):
-                    e = entry.stat()  # follows a Secret's symlinks to the file they name
+                    try:
+                        e = entry.stat()  # follows a Secret's symlinks to the file they name
+                    except OSError:  # a dangling link (a key being removed): skipped by _read too
+                        entries.append((entry.name, 0, 0, -1))
+                        continue
                     entries.append((entry.name, e.st_ino, e.st_mtime_ns, e.st_size))
         return (st.st_mtime_ns, st.st_ino, *sorted(entries))
 

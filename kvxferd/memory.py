@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 from dataclasses import dataclass
@@ -89,12 +90,14 @@ class Mapping:
         return sparse(self.fd) if self.fd >= 0 else ""
 
     def close(self) -> None:
-        if hasattr(self._keep, "close"):  # mmap or VMM mapping; CUDA IPC storages just drop
-            self._keep.close()
-        self._keep = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        try:
+            if hasattr(self._keep, "close"):  # mmap or VMM mapping; CUDA IPC storages just drop
+                self._keep.close()
+            self._keep = None
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 def map_shm(fd: int, nbytes: int) -> Mapping:
@@ -119,6 +122,7 @@ def map_shm(fd: int, nbytes: int) -> Mapping:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise MappingError(f"shared memory fd holds {size} B, engine declared {nbytes} B")
+        _drop_past_end(fd, size, seals)
         if why := sparse(fd):
             raise MappingError(f"{why}; allocate its pages before registering (posix_fallocate; "
                                "kvxferd.memory.sealed_memfd does), or the daemon would pay for them")
@@ -131,13 +135,49 @@ def map_shm(fd: int, nbytes: int) -> Mapping:
     return Mapping("DRAM", buffer_address(buf), nbytes, 0, buf, fd)
 
 
+_FALLOC_PUNCH_HOLE = 0x03  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _drop_past_end(fd: int, size: int, seals: int) -> None:
+    """No page kept past the memfd's end, now or later: `sparse` counts a file's pages, and pages
+    fallocated past its end would make up for holes punched in it. Sealed against growing first
+    (a KEEP_SIZE fallocate past the end is then refused), then whatever is there punched away."""
+    if not seals & fcntl.F_SEAL_GROW:
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+        except PermissionError:
+            raise MappingError("shared memory fd must be sealed against growing (F_SEAL_GROW), or let the "
+                               "daemon seal it (it carries F_SEAL_SEAL)") from None
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(size), ctypes.c_long(1 << 62)) != 0:
+        err = ctypes.get_errno()
+        raise MappingError(f"cannot drop the pages past the shared memory fd's end: {os.strerror(err)}")
+
+
+@functools.cache
+def _tail_page() -> int:
+    """What a memfd's last page may take past its end: a huge page where memfds get them whatever
+    their size (shmem_enabled always or force), else a page."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            huge = "[always]" in (mode := f.read()) or "[force]" in mode
+    except OSError:
+        huge = False
+    return 2 << 20 if huge else mmap.PAGESIZE
+
+
 def sparse(fd: int) -> str:
     """Why the memfd has pages missing ("" when every page is allocated). st_blocks counts
-    fallocated pages too (SEEK_HOLE does not: tmpfs reports those as holes), over the whole file:
-    a count over part of it would say nothing of which pages."""
+    fallocated pages too (SEEK_HOLE does not: tmpfs reports those as holes), over the whole file,
+    blocks kept past its end included: more than its size rounded to a page would hide holes
+    (the daemon seals it against growing: none is added past its end after it registered)."""
     st = os.fstat(fd)
     allocated = st.st_blocks * 512
-    return f"shared memory fd is sparse: {allocated} of its {st.st_size} B have pages" if allocated < st.st_size else ""
+    if allocated < st.st_size:
+        return f"shared memory fd is sparse: {allocated} of its {st.st_size} B have pages"
+    if allocated > -(-st.st_size // _tail_page()) * _tail_page():
+        return f"shared memory fd keeps pages past its end ({allocated} B allocated for {st.st_size} B)"
+    return ""
 
 
 def export_cuda(tensor: Any) -> bytes:  # a torch.Tensor on a CUDA device
@@ -158,8 +198,11 @@ def map_cuda(handle: bytes, nbytes: int) -> Mapping:
     import msgspec
     import torch  # only here: the GPU path
 
-    parts = msgspec.msgpack.decode(handle)
-    device, size = int(parts[0]), int(parts[2])
+    try:
+        parts = msgspec.msgpack.decode(handle)
+        device, size = int(parts[0]), int(parts[2])
+    except Exception as exc:  # an engine's bytes: whatever they hold is a refusal, never a crash
+        raise MappingError(f"malformed CUDA IPC handle: {type(exc).__name__}: {str(exc)[:200]}") from None
     if size < nbytes:
         raise MappingError(f"CUDA IPC handle covers {size} B, engine declared {nbytes} B")
     try:

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvxferd import protocol as P
@@ -368,20 +369,56 @@ def test_sparse_engine_memory_is_refused_at_registration_and_at_each_hold(tmp_pa
         os.close(sparse)
         assert refused.value.code == "bad_request" and "sparse: 0 of its" in str(refused.value)
 
+        libc = ctypes.CDLL(None, use_errno=True)
+        # a hole made up for by as many pages kept past the end (KEEP_SIZE): the count would match
+        fd, mm = create_shm(geo.buffers[0])
+        half = geo.buffers[0] // 2
+        assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(half)) == 0  # KEEP_SIZE | PUNCH_HOLE
+        assert libc.fallocate(fd, 1, ctypes.c_long(geo.buffers[0]), ctypes.c_long(half)) == 0
+        assert os.fstat(fd).st_blocks * 512 == geo.buffers[0]
+        with EngineClient(daemon.socket, "made-up", 0, 1) as c, pytest.raises(DaemonError, match="sparse"):
+            c.register(geo, shm_fds=[fd])
+        os.close(fd)
+        mm.close()
+
         fd, mm = create_shm(geo.buffers[0])
         with EngineClient(daemon.socket, "filled", 0, 1) as c:
             c.register(geo, shm_fds=[fd])
             c.hold("r", 5.0, [[3]], digest=True)
-            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.fallocate(fd, 1, ctypes.c_long(geo.buffers[0]), ctypes.c_long(1 << 20)) == -1  # sealed
             assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(1 << 20)) == 0  # KEEP_SIZE | PUNCH_HOLE
             with pytest.raises(DaemonError, match="memory lost pages since it registered"):
                 c.hold("s", 5.0, [[4]], digest=True)
-            os.posix_fallocate(fd, 0, geo.buffers[0])  # whole again: held
+            os.posix_fallocate(fd, 0, geo.buffers[0])  # whole again (no bigger: sealed against growing): held
             c.hold("s", 5.0, [[4]], digest=True)
         os.close(fd)
         mm.close()
         assert daemon.proc.poll() is None
     finally:
+        daemon.stop()
+
+
+def test_a_registration_refused_after_mapping_keeps_no_fd(tmp_path):
+    """A registration whose later buffer is refused (a malformed CUDA IPC handle) closes what its
+    earlier ones mapped: sent again and again, the same memfd costs the daemon no fd."""
+    daemon = DaemonProcess(tmp_path, "daemon")
+    one = build(SHAPE, 1, 0)
+    geo = msgspec.structs.replace(one, buffers=(one.buffers[0], 4096))  # a second buffer, unused
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "e", 0, 1) as c:
+            before = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+            for _ in range(50):
+                msg, _ = c.requests.register(geo, shm_fds=[fd])
+                msg = msgspec.structs.replace(msg, memory=[P.MemoryHandle("shm", geo.buffers[0]),
+                                                           P.MemoryHandle("cuda_ipc", 4096, 0, b"x!")])
+                with pytest.raises(DaemonError, match="bad_request"):
+                    c.rpc.call(msg, P.Registered, [fd])
+            assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= before + 2
+            c.register(one, shm_fds=[fd])  # and it registers still
+    finally:
+        os.close(fd)
+        mm.close()
         daemon.stop()
 
 

@@ -111,6 +111,7 @@ def test_a_grant_of_a_prefill_daemon_since_restarted_vouches_for_nothing(tmp_pat
 class _FakeRank:
     engine_id, tp_rank, key, epoch = "prefill", 0, ("prefill", 0), ""
     geometry = SimpleNamespace(groups=[SimpleNamespace(name="attn", num_blocks=64)])
+    mappings: tuple[object, ...] = ()  # no memory to look at
 
     def __init__(self) -> None:
         self.done: list[tuple[str, str]] = []
