@@ -52,7 +52,10 @@ log = logging.getLogger("kvxferd")
 
 # (peer host, side-channel port, engine id, prefill rank, request id, read token): readers that
 # present different tokens for one request make different claims, each granted (or denied) alone
-ClaimKey = tuple[str, int, str, int, str, str]
+# (prefill daemon host, port, engine, prefill rank, request id, read token, the daemon key its
+# reads name: claims go to the daemon that holds it, "" the key that address proved or the default)
+ClaimKey = tuple[str, int, str, int, str, str, str]
+Address = tuple[str, int, str]  # host, port, daemon key: one link (sidelink.py)
 ExpectKey = tuple[str, int, str]  # (local engine id, tp rank, local request id)
 RETRY_S = 0.02  # between claims of a hold not held yet, or after a claim got no answer
 # An expectation's claim on a hold not held yet is asked again after PENDING_RETRY_S, doubling to
@@ -168,7 +171,7 @@ class Claim:
 
 
 def claim_keys(ref: P.RemoteRef, ranks: Iterable[int]) -> list[ClaimKey]:
-    return [(ref.host, ref.port, ref.engine_id, rank, ref.request_id, ref.read_token) for rank in ranks]
+    return [(ref.host, ref.port, ref.engine_id, rank, ref.request_id, ref.read_token, ref.daemon_key) for rank in ranks]
 
 
 def unpack_grant(blocks: list[bytes]) -> list[np.ndarray] | None:
@@ -198,8 +201,8 @@ class Leases:
         self._max_expect_s = max_expect_s
         self._claims: dict[ClaimKey, Claim] = {}
         self._unread: dict[ClaimKey, bool] = {}  # claims let go after a failed read, most recent last
-        self._queued: dict[tuple[str, int], set[ClaimKey]] = {}  # by peer address, sent at the turn's end
-        self._unclaim: dict[tuple[str, int], set[ClaimKey]] = {}  # released unread: unpinned at the turn's end
+        self._queued: dict[Address, set[ClaimKey]] = {}  # by peer daemon, sent at the turn's end
+        self._unclaim: dict[Address, set[ClaimKey]] = {}  # released unread: unpinned at the turn's end
         self._flushing = False
         self._tasks: set[asyncio.Task[None]] = set()  # unpins under way
         self._unapplied: dict[asyncio.Future[hs.LeaseReply], _Asked] = {}  # claim requests out, by reply
@@ -226,7 +229,7 @@ class Leases:
                 # keep the hold past its lease for a consumer that never comes.
                 c.unread = self._unread.pop(key, False)
             c.holders += 1
-            unclaim = self._unclaim.get((key[0], key[1]))
+            unclaim = self._unclaim.get((key[0], key[1], key[6]))
             if unclaim is not None:  # released and claimed again this turn: its unpin must not follow the claim
                 unclaim.discard(key)
             if c.asking is None and not (c.state == "held" and c.until - now > self._extend_s / 3):
@@ -250,7 +253,7 @@ class Leases:
                         if len(self._unread) > MAX_UNREAD:
                             del self._unread[next(iter(self._unread))]
                     if (c.state == "held" or c.asking is not None) and (c.unread or not c.notified):
-                        self._unclaim.setdefault((key[0], key[1]), set()).add(key)
+                        self._unclaim.setdefault((key[0], key[1], key[6]), set()).add(key)
                         self._schedule_flush()
         self._recorder.claims_now(len(self._claims))
 
@@ -431,7 +434,7 @@ class Leases:
     # --- asking ---------------------------------------------------------------
     def _queue(self, key: ClaimKey, c: Claim) -> None:
         c.asking = asyncio.get_running_loop().create_future()
-        self._queued.setdefault((key[0], key[1]), set()).add(key)
+        self._queued.setdefault((key[0], key[1], key[6]), set()).add(key)
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -451,12 +454,12 @@ class Leases:
         self._flushing = False
         queued, self._queued = self._queued, {}
         unclaim, self._unclaim = self._unclaim, {}
-        for (host, port), keys in queued.items():
+        for (host, port, server), keys in queued.items():
             for chunk in _chunks(keys):
-                self._ask(host, port, chunk)
-        for (host, port), keys in unclaim.items():
+                self._ask(host, port, server, chunk)
+        for (host, port, server), keys in unclaim.items():
             for chunk in _chunks(keys):
-                task = asyncio.get_running_loop().create_task(self._unpin(host, port, chunk))
+                task = asyncio.get_running_loop().create_task(self._unpin(host, port, server, chunk))
                 self._tasks.add(task)  # the loop keeps only a weak reference
                 task.add_done_callback(self._tasks.discard)
 
@@ -467,8 +470,8 @@ class Leases:
         longer asking (an announced read's, answered before it) leave nothing to take."""
         if not any((c := self._claims.get(k)) is not None and c.asking is not None for k in keys):
             return
-        for host, port in {(k[0], k[1]) for k in keys}:
-            link = self._links.get(host, port)
+        for host, port, server in {(k[0], k[1], k[6]) for k in keys}:
+            link = self._links.get(host, port, server)
             if link is not None:
                 link.take_ready()
         for reply in [r for r in self._unapplied if r.done()]:
@@ -480,11 +483,11 @@ class Leases:
                                [hs.Claimed(k[2], k[3], k[4], k[5], not release and (
                                    (c := claims.get(k)) is None or c.granted is None)) for k in keys], release)
 
-    def _send(self, host: str, port: int, req: hs.LeaseRequest) -> asyncio.Future[hs.LeaseReply]:
+    def _send(self, host: str, port: int, server: str, req: hs.LeaseRequest) -> asyncio.Future[hs.LeaseReply]:
         """`req` on the wire now; the awaitable gives the reply, or raises HandshakeError when the
         request could not go out or got no answer."""
         try:
-            return asyncio.ensure_future(self._links.to(host, port).ask(req, self._timeout_s))
+            return asyncio.ensure_future(self._links.to(host, port, server).ask(req, self._timeout_s))
         except Exception as exc:  # whatever one peer's address does, the other peers' requests still go
             if not isinstance(exc, hs.HandshakeError | zmq.ZMQError | OSError):
                 log.error("lease request to %s:%d failed unexpectedly", host, port, exc_info=exc)
@@ -494,8 +497,8 @@ class Leases:
             failed.exception()  # retrieved: awaited by a task that shutdown may cancel first
             return failed
 
-    def _unpin(self, host: str, port: int, keys: list[ClaimKey]) -> Coroutine[Any, Any, None]:
-        return self._unpinned(host, port, keys, self._send(host, port, self._request(keys, 0.0, release=True)))
+    def _unpin(self, host: str, port: int, server: str, keys: list[ClaimKey]) -> Coroutine[Any, Any, None]:
+        return self._unpinned(host, port, keys, self._send(host, port, server, self._request(keys, 0.0, release=True)))
 
     async def _unpinned(self, host: str, port: int, keys: list[ClaimKey], reply: asyncio.Future[hs.LeaseReply]) -> None:
         try:
@@ -503,13 +506,13 @@ class Leases:
         except hs.HandshakeError as exc:  # our pins there lapse with their grant
             log.info("unpinning %d holds at %s:%d: %s", len(keys), host, port, exc)
 
-    def _ask(self, host: str, port: int, keys: list[ClaimKey]) -> None:
+    def _ask(self, host: str, port: int, server: str, keys: list[ClaimKey]) -> None:
         """Claim these holds of one peer daemon: the request is on the wire when this returns;
         its answer is applied when it comes (or by `take_answers`, whichever is first)."""
         sent = time.monotonic()  # before the request leaves: a "held" answer vouches from here on
         asked = [self._claims.get(k) for k in keys]  # an answer is for these, not for claims made since
         grant = [c is None or c.granted is None for c in asked]  # as `_request` asks
-        reply = self._send(host, port, self._request(keys, self._extend_s))
+        reply = self._send(host, port, server, self._request(keys, self._extend_s))
         self._unapplied[reply] = _Asked(host, port, keys, asked, sent, grant)
         reply.add_done_callback(self._on_reply)
 

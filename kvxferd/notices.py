@@ -53,7 +53,7 @@ class Notices:
 
     def __init__(self, links: Links, recorder: Recorder, requester: str) -> None:
         self._links, self._recorder, self._requester = links, recorder, requester
-        self._queued: dict[tuple[str, int, int], list[hs.Notification]] = {}  # by peer and version
+        self._queued: dict[tuple[str, int, str, int], list[hs.Notification]] = {}  # by peer daemon and version
         self._flushing = False
         self._closed = False
         self._warned = Throttle(WARN_S)  # notices lost, by peer
@@ -67,7 +67,7 @@ class Notices:
             self._lost(peer.host, peer.port, len(notifications), "the daemon is stopping")
             return
         version = hs.SERVE_VERSION if peer.serves_on_request else hs.NOTICE_VERSION
-        self._queued.setdefault((peer.host, peer.port, version), []).extend(notifications)
+        self._queued.setdefault((peer.host, peer.port, peer.server, version), []).extend(notifications)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_later(BATCH_S, self._flush)
@@ -83,9 +83,9 @@ class Notices:
     def _flush(self) -> None:
         self._flushing = False
         queued, self._queued = self._queued, {}
-        for (host, port, version), notifications in queued.items():
+        for (host, port, server, version), notifications in queued.items():
             for i in range(0, len(notifications), hs.MAX_CLAIMS):
-                self._send(host, port, notifications[i:i + hs.MAX_CLAIMS], version)
+                self._send(host, port, server, notifications[i:i + hs.MAX_CLAIMS], version)
 
     def serve(self, peer: Peer, now: float) -> None:
         """A READ of `peer`'s memory may need its daemon's progress (it is running, not done once
@@ -96,16 +96,17 @@ class Notices:
             return
         peer.serve_asked = now
         try:
-            self._links.to(peer.host, peer.port).tell(hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
+            self._links.to(peer.host, peer.port, peer.server).tell(
+                hs.ServeRequest(hs.SERVE_VERSION, self._requester, SERVE_S))
         except (hs.HandshakeError, zmq.ZMQError, OSError) as exc:  # the READ goes on; the peer's pace serves it
             if self._warned.due(("serve", peer.host, peer.port)):
                 log.warning("serve request to %s not sent: %s", peer.address, exc)
             return
         self._recorder.serve_request("sent")
 
-    def _send(self, host: str, port: int, chunk: list[hs.Notification], version: int) -> None:
+    def _send(self, host: str, port: int, server: str, chunk: list[hs.Notification], version: int) -> None:
         try:
-            self._links.to(host, port).tell(hs.NoticeRequest(version, self._requester, chunk))
+            self._links.to(host, port, server).tell(hs.NoticeRequest(version, self._requester, chunk))
         except Exception as exc:  # whatever one peer's address does, the others' notices still go
             if not isinstance(exc, hs.HandshakeError):
                 log.error("notices to %s:%d failed unexpectedly", host, port, exc_info=exc)

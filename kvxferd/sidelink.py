@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from . import handshake as hs
-from .identity import CurveKeys, PeerKeys
+from .identity import CurveKeys, KeyRefused, PeerKeys
 from .ownside import OwnSide, SelfLink
 
 log = logging.getLogger("kvxferd")
@@ -47,7 +47,6 @@ class Link:
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, curve: CurveKeys | None) -> None:
         self.address = f"{host}:{port}"
-        self.server = curve.server_public if curve is not None else b""  # the key it dials
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)
@@ -186,22 +185,29 @@ class Links:
 
     def __init__(self, ctx: zmq.asyncio.Context, keys: PeerKeys | None, own: OwnSide | None = None) -> None:
         self._ctx, self._keys, self._own = ctx, keys, own
-        self._links: dict[tuple[str, int], Link] = {}
+        self._links: dict[tuple[str, int, str], Link] = {}  # by address and the daemon key dialed there
         self._self_link: SelfLink | None = None
 
-    def to(self, host: str, port: int) -> Link | SelfLink:
-        """The link to a peer daemon; HandshakeError when MAX_LINKS links all have requests waiting
-        (engines name the addresses their reads go to: they may name many)."""
+    def to(self, host: str, port: int, server: str = "") -> Link | SelfLink:
+        """The link to a peer daemon, dialing `server` (its public key; "": the key that address
+        proved, else the default). HandshakeError when that key is not authorized (any more), or
+        when MAX_LINKS links all have requests waiting (engines name the addresses their reads go
+        to: they may name many)."""
         if self._own is not None and self._own.is_address(host, port):
             if self._self_link is None:
                 self._self_link = SelfLink(self._own.answer)
             return self._self_link
-        curve = self._keys.curve.dialing(self._keys.at(host, port).encode()) if self._keys is not None else None
-        link = self._links.pop((host, port), None)
-        if link is not None and curve is not None and link.server != curve.server_public:
-            link.close()  # dialed with a key the address has since proved it does not hold
-            link = None
+        curve = None
+        if self._keys is not None:
+            server = server or self._keys.at(host, port)
+            curve = self._keys.curve.dialing(server.encode())
+        link = self._links.pop((host, port, server), None)
         if link is None:
+            if self._keys is not None:
+                try:
+                    self._keys.authorize(server)
+                except KeyRefused as exc:
+                    raise hs.HandshakeError("refused", f"{host}:{port}: {exc}") from None
             idle = None
             if len(self._links) >= MAX_LINKS:
                 idle = next((k for k, old in self._links.items() if not old.waiting), None)
@@ -210,14 +216,16 @@ class Links:
             link = Link(self._ctx, host, port, curve)  # first: an address that fails evicts nothing
             if idle is not None:
                 self._links.pop(idle).close()
-        self._links[(host, port)] = link  # to the end: the most recently used
+        self._links[(host, port, server)] = link  # to the end: the most recently used
         return link
 
-    def get(self, host: str, port: int) -> Link | SelfLink | None:
+    def get(self, host: str, port: int, server: str = "") -> Link | SelfLink | None:
         """The link to a peer daemon if one is open (none is opened)."""
         if self._self_link is not None and self._own is not None and self._own.is_address(host, port):
             return self._self_link
-        return self._links.get((host, port))
+        if self._keys is not None:
+            server = server or self._keys.at(host, port)
+        return self._links.get((host, port, server))
 
     def close_idle(self, now: float) -> None:
         for key in [k for k, link in self._links.items() if not link.waiting and now - link.used > IDLE_CLOSE_S]:

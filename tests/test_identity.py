@@ -70,6 +70,18 @@ def test_a_read_dials_the_prefill_daemons_own_key_and_only_an_authorized_one(nod
         assert c.transfer(1, TOKENS)["status"] == "received"
 
 
+def test_an_announced_read_claims_under_the_key_its_remote_names_before_any_handshake(nodes):
+    """vLLM announces a read (`expect`) before it reads: the claims leave before any handshake
+    proved the prefill daemon's key, and dial the key the remote names (a claim dialing another
+    key would be refused at the ZMTP handshake, counted `unauthenticated` by the prefill)."""
+    with Cluster(SHAPE, 1, 1, daemons=[start(nodes, "p"), start(nodes, "d")]) as c:
+        blocks = c.prefill.prefill(0, TOKENS, 30.0, read_token=c.read_token(0))
+        c.decode.expect(0, c.remote(0))
+        wait_for(lambda: c.status(0).held and c.status(0).held[0].age_s >= 0, 5, "the hold")
+        assert c.decode.decode(0, TOKENS, c.remote(0), blocks, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.status(0).counters.unauthenticated_peers == 0
+
+
 async def _as_attacker(nodes, c: Cluster, requests: list[hs.SideRequest]) -> list[hs.SideReply | None]:
     """Send each request on one link under the attacker's own (authorized) key; the replies to
     those that are answered, None for notices."""

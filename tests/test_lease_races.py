@@ -130,8 +130,8 @@ def held_and_claimed(lease_s: float, claim_s: float) -> tuple[_FakeRank, Holds, 
     class Link:
         async def ask(self, req, timeout_s):
             return holds.answer_lease(req)
-    leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "decode-agent", claim_s, True, 5.0)
-    return er, holds, leases, [("127.0.0.1", 5600, "prefill", 0, "r1", "")]
+    leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "decode-agent", claim_s, True, 5.0)
+    return er, holds, leases, [("127.0.0.1", 5600, "prefill", 0, "r1", "", "")]
 
 
 def test_a_claim_released_and_made_again_in_one_turn_stays_pinned():
@@ -173,8 +173,8 @@ def test_a_long_grants_next_renewal_never_falls_due_at_once(now, until):
         raise TimeoutError("Leases.renew did not return")
 
     async def main() -> None:
-        leases = Leases(SimpleNamespace(to=lambda h, p: None), Recorder(), "me", 20.0, True, 5.0)
-        key = ("10.0.0.1", 5600, "prefill", 0, "r1", "")
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": None), Recorder(), "me", 20.0, True, 5.0)
+        key = ("10.0.0.1", 5600, "prefill", 0, "r1", "", "")
         leases._claims[key] = leases_mod.Claim(holders=1, state="held", until=until)
         leases._renewals.append((now, key))
         previous = signal.signal(signal.SIGALRM, stuck)
@@ -208,8 +208,8 @@ def test_a_refusing_peer_is_asked_again_at_most_every_retry():
                 nonlocal asked
                 asked += 1
                 return hs.LeaseReply(False, "malformed side-channel request (an older daemon)")
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
-        keys = [("10.0.0.1", 5600, "prefill", 0, "req-1", "")]
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0)
+        keys = [("10.0.0.1", 5600, "prefill", 0, "req-1", "", "")]
         leases.acquire(keys)
         t = time.monotonic()
         assert await leases.confirm(keys, t, lambda: t + 0.5)
@@ -224,7 +224,7 @@ def test_expectations_hold_a_bounded_number_of_claims_and_one_rank_never_evicts_
         class Link:
             async def ask(self, req, timeout_s):
                 await asyncio.sleep(3600)
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0)
         victim = P.RemoteRef("p", "10.0.0.1", 5600, 2, "victim")
         leases.expect(("decode-b", 0), "b-1", victim)
         bound = leases_mod.MAX_EXPECT_CLAIMS_PER_RANK
@@ -336,7 +336,7 @@ def test_a_refused_read_lets_go_of_what_its_engine_expected():
         class Link:
             async def ask(self, req, timeout_s):
                 return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("held", 20.0) for _ in req.claims])
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0)
         peers = SimpleNamespace(routes={}, keys=None)
         reads = Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(), max_per_rank=0, leases=leases)
         er = SimpleNamespace(engine_id="decode", tp_rank=0, geometry=SimpleNamespace(groups=[object()]))
@@ -409,7 +409,7 @@ def test_a_hold_that_never_comes_is_asked_about_less_and_less():
             async def ask(self, req, timeout_s):
                 asked.append(time.monotonic())
                 return hs.LeaseReply(True, seq=req.seq, answers=[hs.ClaimAnswer("pending") for _ in req.claims])
-        leases = Leases(SimpleNamespace(to=lambda h, p: Link()), Recorder(), "me", 20.0, True, 5.0)
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0)
         leases.expect(("decode", 0), "d-1", RemoteRef("prefill", "10.0.0.1", 5600, 1, "never-held"))
         end = time.monotonic() + 4.0
         while time.monotonic() < end:
@@ -461,7 +461,8 @@ def _stand_in_reads(monkeypatch, link, nbytes: int, posted: list, completions: l
 
     monkeypatch.setattr(reads_mod.Transfer, "reads_on", reads_on)
     monkeypatch.setattr(reads_mod.Transfer, "post", post)
-    leases = Leases(SimpleNamespace(to=lambda h, p: link, get=lambda h, p: link), Recorder(), "me", 20.0, True, 5.0)
+    leases = Leases(SimpleNamespace(to=lambda h, p, k="": link, get=lambda h, p, k="": link), Recorder(), "me", 20.0,
+                    True, 5.0)
     er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
                          complete=completions.append)
     ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
@@ -564,12 +565,12 @@ def test_a_peer_address_zmq_refuses_does_not_hold_up_other_peers_claims():
                                                                          for _ in req.claims]))
                 return fut
 
-        def to(host, port):
+        def to(host, port, server=""):
             if host == "a b":
                 raise zmq.ZMQError(zmq.EINVAL)
             return Link()
         leases = Leases(SimpleNamespace(to=to), Recorder(), "me", 20.0, True, 5.0)
-        bad, good = [("a b", 5600, "prefill", 0, "r1", "")], [("10.0.0.1", 5600, "prefill", 0, "r2", "")]
+        bad, good = [("a b", 5600, "prefill", 0, "r1", "", "")], [("10.0.0.1", 5600, "prefill", 0, "r2", "", "")]
         leases.acquire(bad)
         leases.acquire(good)
         leases.flush()
