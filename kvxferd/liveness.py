@@ -57,7 +57,11 @@ class Liveness:
         if self._ticked is not None:
             paused = (now - self._ticked[0]) - (cpu - self._ticked[1])
         self._ticked = now, cpu
+        for peer in self._peers.revoked():  # an operator took its key out: nothing more is read of it
+            self._peers.retire(peer, f"its daemon key {peer.server} is no longer among the authorized keys", "revoked")
         for peer in self._peers.ready():
+            if peer.retired:
+                continue
             if paused > PAUSE_S:  # time this daemon did not run is nobody's silence
                 peer.heard = min(peer.heard + paused, now)
             if now - peer.heard > self._dead_after_s:

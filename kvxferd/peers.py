@@ -252,6 +252,13 @@ class Peers:
         """`host:port` is this daemon's own side channel (as it advertises it, or on loopback)."""
         return self._self is not None and self._self.side.is_address(host, port)
 
+    def revoked(self) -> list[Peer]:
+        """Ready peers whose daemon key left the authorized keys (liveness.py retires them)."""
+        if self.keys is None:
+            return []
+        allowed = self.keys.authorized.keys()
+        return [p for p in self.ready() if not p.local and not p.retired and p.server.encode() not in allowed]
+
     def ready(self) -> list[Peer]:
         """Live peers whose handshake is done (what liveness.py watches)."""
         return [p for p in self._peers.values() if p.ready.done()]
@@ -271,9 +278,9 @@ class Peers:
         """The peer's handshake, done once and shared by every read waiting on it."""
         peer = self._peers.get(key)
         if peer is None:
-            if self.keys is not None and ref.daemon_key:
-                try:
-                    self.keys.authorize(ref.daemon_key)
+            if self.keys is not None and not self.is_self(ref.host, ref.port):
+                try:  # the key named, proved there before, or the default: authorized now
+                    self.keys.authorize(key[3])
                 except KeyRefused as exc:
                     raise hs.HandshakeError("refused", f"{ref.host}:{ref.port}: {exc}") from None
             peer = self._peers[key] = Peer(ref.engine_id, ref.host, ref.port,

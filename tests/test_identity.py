@@ -82,6 +82,19 @@ def test_an_announced_read_claims_under_the_key_its_remote_names_before_any_hand
         assert c.status(0).counters.unauthenticated_peers == 0
 
 
+def test_a_key_taken_out_of_the_authorized_directory_is_read_no_more(nodes):
+    """The operator removes the prefill daemon's key from the decode daemon's authorized keys:
+    the peer is retired (`revoked`) without a restart, and a read naming that key is refused
+    before anything is dialed."""
+    with Cluster(SHAPE, 1, 1, daemons=[start(nodes, "p"), start(nodes, "d")]) as c:
+        assert c.transfer(0, TOKENS)["status"] == "received"
+        (nodes / "d" / "authorized" / "p.key").unlink()
+        wait_for(lambda: c.status(1).counters.peers_retired >= 1, 15, "the peer's retirement")
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        out = c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)
+        assert out["status"] == "failed" and "is not among the authorized keys" in out["reason"], out["reason"]
+
+
 async def _as_attacker(nodes, c: Cluster, requests: list[hs.SideRequest]) -> list[hs.SideReply | None]:
     """Send each request on one link under the attacker's own (authorized) key; the replies to
     those that are answered, None for notices."""
