@@ -277,8 +277,12 @@ def test_helm_chart_lints_and_renders_valid_manifests():
     # the defaults keep the metrics on the node; a ServiceMonitor must ask for them beyond it
     default = _render(CURVE)
     assert _kvxferd_env(default)["KVXFERD_METRICS_HOST"] == "127.0.0.1"
-    with pytest.raises(helm.HelmRenderError, match=r"serviceMonitor\.enabled needs the metrics beyond loopback"):
-        _render({"serviceMonitor": {"enabled": True}, **CURVE})
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        with pytest.raises(helm.HelmRenderError, match=r"serviceMonitor\.enabled needs the metrics beyond loopback"):
+            _render({"serviceMonitor": {"enabled": True}, "config": {"metricsHost": loopback}, **CURVE})
+    for host, url in (("::", "http://[::1]:9410"), ("fd00::7", "http://[fd00::7]:9410"), ("10.0.0.7", "http://10.0.0.7:9410")):
+        probe = _pod(_render({"config": {"metricsHost": host}, **CURVE}))["spec"]["containers"][0]["readinessProbe"]
+        assert f"{url}/readyz" in probe["exec"]["command"][-1], probe
     # per-node keys from the node: the authorized directory beside the key
     per_node = _render({"curve": {"hostPath": "/etc/kvxferd/curve"}})
     _validate(per_node)

@@ -11,6 +11,7 @@ options are in `ConnectorOptions` (docs/vllm.md).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
     from .worker import WorkerSide
 
+SIDE_CHANNEL_S = 30.0  # how long the daemon's address and key are used before it is asked again
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -97,12 +99,16 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         # trip to the daemon overlaps the kernels.
         self._orders_before_forward = vllm_config.device_config.device_type == "cpu"
         self._side: tuple[str, int, str] | None = None
+        self._side_asked = float("-inf")  # monotonic: when the daemon was last asked
         self._load_errors: set[int] = set()
 
     def _side_channel(self) -> tuple[str, int, str]:
-        """Where decode daemons handshake with ours (configured, or asked from the daemon once),
-        and our daemon's public key, which they dial ("": it has none)."""
-        if self._side is None:
+        """Where decode daemons handshake with ours (configured, or asked from the daemon), and our
+        daemon's public key, which they dial ("": it has none). Asked again every SIDE_CHANNEL_S:
+        a daemon restarted with new keys hands out its new key."""
+        now = time.monotonic()
+        if self._side is None or now - self._side_asked > SIDE_CHANNEL_S:
+            self._side_asked = now
             with EngineClient(self.options.socket, self.engine_id, -1, self.tp_size, timeout=5.0) as client:
                 status = client.status()
             host, _, port = (self.options.side_channel or status.side_channel).rpartition(":")

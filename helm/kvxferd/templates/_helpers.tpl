@@ -56,10 +56,20 @@ On a network where every host may read the KV cache: --set config.sideChannelIns
 {{- if .Values.curve.hostPath -}}hostPath{{- else if .Values.curve.existingSecret -}}secret{{- end -}}
 {{- end -}}
 
-{{/* Where the probes reach the metrics server from inside the container. */}}
+{{/* Where the probes reach the metrics server from inside the container (an IPv6 address in
+     brackets, as a URL wants it). */}}
 {{- define "kvxferd.probeHost" -}}
 {{- $host := .Values.config.metricsHost | toString -}}
-{{- if has $host (list "" "0.0.0.0" "::" "*") -}}127.0.0.1{{- else -}}{{ $host }}{{- end -}}
+{{- if has $host (list "" "0.0.0.0" "*") -}}127.0.0.1
+{{- else if eq $host "::" -}}[::1]
+{{- else if contains ":" $host -}}[{{ $host }}]
+{{- else -}}{{ $host }}{{- end -}}
+{{- end -}}
+
+{{/* "true" when the metrics listen on loopback alone: nothing off the node can scrape them. */}}
+{{- define "kvxferd.metricsLoopback" -}}
+{{- $host := .Values.config.metricsHost | toString -}}
+{{- if or (hasPrefix "127." $host) (eq $host "::1") (eq $host "localhost") -}}true{{- end -}}
 {{- end -}}
 
 {{/* Volumes both modes mount into the kvxferd container (the socket volume differs). */}}
