@@ -26,6 +26,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # engine ranks one uid has registered (each maps its memory: vm.max_map_count is the node's),
     # those closing and still mapped included
     max_ranks_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # engine buffers one uid has mapped across its ranks (each a mapping; a host memfd's fd is kept
+    # too, to look for holes at each hold: the daemon's open files are every engine's)
+    max_buffers_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 16384
     max_reads_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 4096  # reads in flight per engine rank
     # Descriptors (local + remote) a route to one peer may take; a plan above it is refused at
     # handshake (a peer of one-token pages over a large cache would take GBs of descriptor arrays).

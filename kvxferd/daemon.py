@@ -91,6 +91,7 @@ class Daemon:
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
+        _open_files_to_the_hard_limit()
         for key, value in cfg.ucx.items():
             os.environ[key] = value
         self.keys = None  # our CurveZMQ identity and our peers' (identity.py)
@@ -102,7 +103,7 @@ class Daemon:
                                threads=cfg.nixl_threads, name_suffix=self.keys.fingerprint if self.keys else "")
         self.zmq = zmq.asyncio.Context()
         self.lanes = Lanes(cfg.lanes, cfg.lane_split_bytes, cfg.name, tuple(cfg.backends))
-        self.engines = Engines(self.nixl, self.recorder, self.lanes, cfg.max_ranks_per_uid)
+        self.engines = Engines(self.nixl, self.recorder, self.lanes, cfg.max_ranks_per_uid, cfg.max_buffers_per_uid)
         self.digester = integrity.Digester("digest")  # our engines' holds and reads
         self.audit_digester = integrity.Digester("audit")  # peers' audits: apart, so neither starves the other
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
@@ -668,3 +669,13 @@ async def run(cfg: Config, stop: asyncio.Event | None = None) -> None:
     if why:
         raise LoopEnded(f"a daemon loop ended ({why}); stopped, to be started again")
 
+
+def _open_files_to_the_hard_limit() -> None:
+    """Engines' memfds and doorbells, peers' sockets: the daemon holds files for all of them. A
+    container runtime's soft limit (1024) would refuse them long before the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -127,9 +127,10 @@ class Engines:
     """Owns every registered rank: its mappings and NIXL registrations from register to release."""
 
     def __init__(self, nixl: NixlDriver, recorder: Recorder, lanes: Lanes | None = None,
-                 max_ranks_per_uid: int = 1024) -> None:
+                 max_ranks_per_uid: int = 1024, max_buffers_per_uid: int = 16384) -> None:
         self._nixl = nixl
         self._max_ranks_per_uid = max_ranks_per_uid
+        self._max_buffers_per_uid = max_buffers_per_uid
         self._lanes = lanes
         self._recorder = recorder
         self._ranks: dict[EngineKey, EngineRank] = {}  # serving, by key
@@ -205,11 +206,15 @@ class Engines:
             raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
         if conn is not None:  # each rank maps memory: one user's ranks are bounded, whatever their engine ids
             uid = conn.credentials[1]
-            mine = sum(1 for r in (*self._ranks.values(), *self._closing)
-                       if r.conn is not None and r.conn.credentials[1] == uid)
-            if mine >= self._max_ranks_per_uid:
-                raise RequestError("bad_request", f"uid {uid} has {mine} engine ranks registered or still mapped "
+            mine = [r for r in (*self._ranks.values(), *self._closing)
+                    if r.conn is not None and r.conn.credentials[1] == uid]
+            if len(mine) >= self._max_ranks_per_uid:
+                raise RequestError("bad_request", f"uid {uid} has {len(mine)} engine ranks registered or still mapped "
                                                   f"(max_ranks_per_uid {self._max_ranks_per_uid})")
+            buffers = sum(len(r.mappings) for r in mine) + len(msg.memory)  # each a mapping, a host one an fd too
+            if buffers > self._max_buffers_per_uid:
+                raise RequestError("bad_request", f"uid {uid} would have {buffers} engine buffers mapped "
+                                                  f"(max_buffers_per_uid {self._max_buffers_per_uid})")
         for other in self.serving(msg.engine_id):  # an engine's ranks: one user's, one TP size
             if other.conn is not None and conn is not None and other.conn.credentials[1] != conn.credentials[1]:
                 raise RequestError("forbidden", f"engine {msg.engine_id!r} is registered by another user "

@@ -147,6 +147,7 @@ Ended = tuple[HoldOutcome, frozenset[str], str]
 # Grants one lease reply carries, in bytes (a decode's link takes replies of up to 64 MiB): the
 # claims beyond are answered "pending" and asked again.
 GRANT_REPLY_BYTES = 32 << 20
+MEMORY_LOOK_S = 0.05  # a rank's memory is looked at for holes at most this often (`_check_memory`)
 MAX_PINS = 64  # claiming agents pinning one hold; more are told how long it lives, unpinned (granted 0)
 
 
@@ -236,6 +237,7 @@ class Holds:
         self._engines = engines
         self._max_per_rank = max_per_rank
         self._per_rank: dict[EngineKey, int] = {}  # holds by engine rank (max_holds_per_engine)
+        self._memory_seen: dict[EngineKey, float] = {}  # monotonic: a rank's memory was last found whole
         self._digester = digester or integrity.Digester()  # engines' holds
         self._audit_digester = audit_digester or integrity.Digester("audit")  # peers' audits
         self._audits = 0  # accepted, not answered yet
@@ -271,15 +273,27 @@ class Holds:
                 raise RequestError("bad_request", f"request {msg.request_id!r} is held under another read_token")
             return False
         _check_block_ids(er, msg.block_ids)
-        for mapping in er.mappings:  # a hole punched since it registered: the daemon would pay for its pages
-            if why := mapping.sparse():
-                raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank}'s memory lost pages "
-                                                  f"since it registered ({why}): no hold of it is kept")
+        self._check_memory(er)
         held = self._per_rank.get(er.key, 0) + also_new
         if held >= self._max_per_rank:
             raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} holds {held} requests "
                                               f"(max_holds_per_engine {self._max_per_rank})")
         return True
+
+    def _check_memory(self, er: EngineRank) -> None:
+        """A hole punched in the rank's memory since it registered: the daemon would pay for its
+        pages (RequestError). Looked at once per MEMORY_LOOK_S per rank: a batch of holds of a
+        rank with many buffers costs one look, not one per hold and buffer."""
+        now = time.monotonic()
+        if now - self._memory_seen.get(er.key, float("-inf")) < MEMORY_LOOK_S:
+            return
+        for mapping in er.mappings:
+            if why := mapping.sparse():
+                raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank}'s memory lost pages "
+                                                  f"since it registered ({why}): no hold of it is kept")
+        if len(self._memory_seen) >= 65536:
+            self._memory_seen.clear()
+        self._memory_seen[er.key] = now
 
     def hold(self, er: EngineRank, msg: P.Hold) -> asyncio.Future[HeldDigests] | None:
         """Hold a request's blocks for its consumers, or renew the lease of one held already.

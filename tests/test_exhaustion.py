@@ -23,6 +23,7 @@ import pytest
 from kvxferd import protocol as P
 from kvxferd import rpc
 from kvxferd.client import Client, DaemonError, EngineClient
+from kvxferd.holds import MEMORY_LOOK_S
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.memory import create_shm
 from kvxferd.plan.models import ModelShape, build
@@ -387,6 +388,7 @@ def test_sparse_engine_memory_is_refused_at_registration_and_at_each_hold(tmp_pa
             c.hold("r", 5.0, [[3]], digest=True)
             assert libc.fallocate(fd, 1, ctypes.c_long(geo.buffers[0]), ctypes.c_long(1 << 20)) == -1  # sealed
             assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(1 << 20)) == 0  # KEEP_SIZE | PUNCH_HOLE
+            time.sleep(2 * MEMORY_LOOK_S)  # the daemon looks at a rank's memory at most this often
             with pytest.raises(DaemonError, match="memory lost pages since it registered"):
                 c.hold("s", 5.0, [[4]], digest=True)
             os.posix_fallocate(fd, 0, geo.buffers[0])  # whole again (no bigger: sealed against growing): held

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 
 from kvxferd import protocol as P
@@ -154,6 +155,34 @@ def test_ranks_per_uid_are_capped_across_engine_ids_and_connections(tmp_path):
                 time.sleep(0.05)
         for e in engines:
             e.close()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
+
+
+def test_buffers_per_uid_are_capped_across_ranks(tmp_path):
+    """Each buffer is a mapping, and a host memfd's fd stays open with the daemon (it looks for
+    holes at each hold): one uid's ranks of many buffers are refused past max_buffers_per_uid,
+    with the setting named, before anything is mapped."""
+    os.environ["KVXFERD_MAX_BUFFERS_PER_UID"] = "3"
+    try:
+        daemon = DaemonProcess(tmp_path, "daemon")
+    finally:
+        del os.environ["KVXFERD_MAX_BUFFERS_PER_UID"]
+    one = build(SHAPE, 1, 0)
+    two = msgspec.structs.replace(one, buffers=(one.buffers[0], one.buffers[0]))  # a second buffer, unused
+    fd, mm = create_shm(one.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "e0", 0, 1) as e0:
+            e0.register(two, shm_fds=[fd, fd])
+            before = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+            with EngineClient(daemon.socket, "e1", 0, 1) as e1, pytest.raises(DaemonError) as refused:
+                e1.register(two, shm_fds=[fd, fd])
+            assert refused.value.code == "bad_request" and "max_buffers_per_uid 3" in str(refused.value)
+            assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= before
+            with EngineClient(daemon.socket, "e2", 0, 1) as e2:
+                e2.register(one, shm_fds=[fd])  # the third buffer: room for it
     finally:
         os.close(fd)
         mm.close()
