@@ -121,16 +121,22 @@ def test_a_large_hold_is_digested_off_the_daemon_s_loop(tmp_path):
         daemon.stop()
 
 
+def _daemon_with(tmp_path, **env: str) -> DaemonProcess:
+    """A daemon started with these settings in its environment (KVXFERD_<KEY>)."""
+    os.environ.update(env)
+    try:
+        return DaemonProcess(tmp_path, "daemon")
+    finally:
+        for key in env:
+            del os.environ[key]
+
+
 def test_ranks_per_uid_are_capped_across_engine_ids_and_connections(tmp_path):
     """Each registered rank maps its memory: one uid registering engine ids without end would
     use up the node's mappings (vm.max_map_count) for every other engine. Refused past
     max_ranks_per_uid, on any connection of that uid, with the setting named; a rank released
     makes room again."""
-    os.environ["KVXFERD_MAX_RANKS_PER_UID"] = "3"
-    try:
-        daemon = DaemonProcess(tmp_path, "daemon")
-    finally:
-        del os.environ["KVXFERD_MAX_RANKS_PER_UID"]
+    daemon = _daemon_with(tmp_path, KVXFERD_MAX_RANKS_PER_UID="3")
     geo = build(SHAPE, 1, 0)
     fd, mm = create_shm(geo.buffers[0])
     try:
@@ -165,11 +171,7 @@ def test_buffers_per_uid_are_capped_across_ranks(tmp_path):
     """Each buffer is a mapping, and a host memfd's fd stays open with the daemon (it looks for
     holes at each hold): one uid's ranks of many buffers are refused past max_buffers_per_uid,
     with the setting named, before anything is mapped."""
-    os.environ["KVXFERD_MAX_BUFFERS_PER_UID"] = "3"
-    try:
-        daemon = DaemonProcess(tmp_path, "daemon")
-    finally:
-        del os.environ["KVXFERD_MAX_BUFFERS_PER_UID"]
+    daemon = _daemon_with(tmp_path, KVXFERD_MAX_BUFFERS_PER_UID="3")
     one = build(SHAPE, 1, 0)
     two = msgspec.structs.replace(one, buffers=(one.buffers[0], one.buffers[0]))  # a second buffer, unused
     fd, mm = create_shm(one.buffers[0])
