@@ -1,7 +1,8 @@
 """Real vLLM prefill and decode instances (CPU build, float32) through two kvxferd daemons and
 `kvxferd proxy`, compared token for token with a single vLLM instance of the same model:
-TP 1 -> 1 with prefix hits, leases, a prefill daemon killed mid-run; heterogeneous TP 2 -> 1
-and 1 -> 2; a prefill with other weights (negative control and the compatibility check).
+TP 1 -> 1 with prefix hits, leases, a prefill daemon killed mid-run, each daemon with a CurveZMQ
+key of its own; heterogeneous TP 2 -> 1 and 1 -> 2; a prefill with other weights (negative control
+and the compatibility check).
 
 float32, because recomputed or differently batched prefills must give the same greedy tokens
 (bf16 rounding flips near-ties of a random-weight model; test_vllm_bf16.py covers bf16 1 -> 1).
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import urllib.request
 
 import pytest
 import vllm_world
 from vllm_world import daemon_status, daemon_warnings, model, start, text, wait_until
 
+from kvxferd.identity import generate_keys
 from kvxferd.lab.synthetic.demo import DaemonProcess
 from kvxferd.lab.vllm_servers import ProxyProcess, VllmServer, free_port, handoff, prompts
 from kvxferd.protocol import Counters
@@ -35,11 +38,24 @@ LEASE_S = 15.0
 HANDSHAKE_TIMEOUT = ["--handshake-timeout", "120"]
 
 
+def daemon_keys(workdir) -> dict[str, list[str]]:
+    """Each daemon its own CurveZMQ keypair (`kvxferd keys generate`), each admitting the other's:
+    the decode daemon dials the key the prefill's kv_transfer_params name (remote_daemon_key)."""
+    for side in ("p", "d"):
+        generate_keys(str(workdir / f"{side}-keys"))
+    for side, other in (("p", "d"), ("d", "p")):
+        shutil.copy(workdir / f"{other}-keys" / "kvxferd.key", workdir / f"{side}-keys" / "authorized" / f"{other}.key")
+    return {side: ["--curve-secret-key", str(workdir / f"{side}-keys" / "kvxferd.key_secret")] for side in ("p", "d")}
+
+
 class World(vllm_world.World):
     def start(self) -> None:
         self.p_port = free_port()
-        self.p_daemon = self.own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port))
-        self.d_daemon = self.own(DaemonProcess(self.workdir, "d-daemon", metrics_port=0, extra=HANDSHAKE_TIMEOUT))
+        self.keys = daemon_keys(self.workdir)
+        self.p_daemon = self.own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port,
+                                               extra=self.keys["p"]))
+        self.d_daemon = self.own(DaemonProcess(self.workdir, "d-daemon", metrics_port=0,
+                                               extra=[*HANDSHAKE_TIMEOUT, *self.keys["d"]]))
         m = model(0)
         self.ref = self.own(VllmServer(self.workdir, "single", m, cores="nobind", dtype=DTYPE,
                                        worker_in_engine=True))
@@ -69,7 +85,7 @@ class World(vllm_world.World):
 
     def restart_prefill_daemon(self) -> None:
         self.p_daemon = self.own(DaemonProcess(self.workdir, "p-daemon", side_channel_port=self.p_port,
-                                                socket=self.p_daemon.socket))
+                                                socket=self.p_daemon.socket, extra=self.keys["p"]))
 
 
 
@@ -184,7 +200,7 @@ def compare(world, prefill: VllmServer, decode: VllmServer, lengths=(40, 100, 13
 class TestTwoToOne:
     @pytest.fixture(scope="class")
     def p_tp2(self, world):
-        d = DaemonProcess(world.workdir, "p2-daemon")
+        d = DaemonProcess(world.workdir, "p2-daemon", extra=world.keys["p"])  # the prefills' key, shared
         s = VllmServer(world.workdir, "prefill-tp2", model(0), role="kv_producer", connector="kvxferd", dtype=DTYPE,
                        socket=d.socket, tp=2, cores="0|1")
         start(s)
@@ -207,8 +223,8 @@ class TestOneToTwo:
     def relaxed(self, world):
         """A TP 2 decode that accepts other weights, a prefill that has them, and the decode's daemon."""
         # its first read handshakes with pneg-daemon, whose engine shares a core with d2's
-        dd = DaemonProcess(world.workdir, "d2-daemon", extra=HANDSHAKE_TIMEOUT)
-        pd = DaemonProcess(world.workdir, "pneg-daemon")
+        dd = DaemonProcess(world.workdir, "d2-daemon", extra=[*HANDSHAKE_TIMEOUT, *world.keys["d"]])
+        pd = DaemonProcess(world.workdir, "pneg-daemon", extra=world.keys["p"])
         d2 = VllmServer(world.workdir, "decode-tp2", model(0), role="kv_consumer", connector="kvxferd",
                         dtype=DTYPE, socket=dd.socket, tp=2, cores="0|1",
                         extra_config={"enforce_handshake_compat": False})
