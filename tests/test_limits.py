@@ -178,11 +178,13 @@ def test_buffers_per_uid_are_capped_across_ranks(tmp_path):
     try:
         with EngineClient(daemon.socket, "e0", 0, 1) as e0:
             e0.register(two, shm_fds=[fd, fd])
-            before = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
-            with EngineClient(daemon.socket, "e1", 0, 1) as e1, pytest.raises(DaemonError) as refused:
-                e1.register(two, shm_fds=[fd, fd])
-            assert refused.value.code == "bad_request" and "max_buffers_per_uid 3" in str(refused.value)
-            assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= before
+            with EngineClient(daemon.socket, "e1", 0, 1) as e1:
+                e1.status()  # its connection is open at the daemon
+                before = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+                with pytest.raises(DaemonError) as refused:
+                    e1.register(two, shm_fds=[fd, fd])
+                assert refused.value.code == "bad_request" and "max_buffers_per_uid 3" in str(refused.value)
+                assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= before  # the fds sent: closed
             with EngineClient(daemon.socket, "e2", 0, 1) as e2:
                 e2.register(one, shm_fds=[fd])  # the third buffer: room for it
     finally:
