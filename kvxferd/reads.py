@@ -57,6 +57,7 @@ from . import protocol as P
 from .copier import Copier, Spans, spans
 from .deadline import until_deadline
 from .engines import EngineRank
+from .identity import fingerprinted
 from .lanes import Lanes
 from .leases import RESTARTED, ClaimKey, Leases, Refusal, claim_keys, ungranted
 from .logs import Throttle
@@ -242,7 +243,9 @@ class Transfer:
                 # Nothing read at all (a full prefix hit): sent to the peer's NIXL agent, whose
                 # refusal says that daemon instance is gone (StaleRoute: a fresh handshake, as a
                 # READ's refusal would). A notice goes to whichever daemon has the address now.
-                self._notify(unread, nixl, notices if reads else None)
+                # A daemon with a key notifies on the side channel only: NIXL's sender names are
+                # what the sender declares, so a keyed name's are not counted (identity.py).
+                self._notify(unread, nixl, notices if reads or fingerprinted(nixl.name) else None)
                 if not reads and notices is not None and not route.peer.local:
                     # the peer's next READ on this endpoint waits for the NIXL notification's
                     # progress there (measured: 31-47 ms at its idle pace): ask for it now

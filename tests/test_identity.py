@@ -68,6 +68,9 @@ def test_a_read_dials_the_prefill_daemons_own_key_and_only_an_authorized_one(nod
         c.prefill.wait_released(0, 5)
         c.prefill.free(blocks)
         assert c.transfer(1, TOKENS)["status"] == "received"
+        # a full prefix hit reads nothing: its notification still ends the hold (on the side channel)
+        whole = SHAPE.block_size * 3
+        assert c.transfer(2, whole, hit_tokens=whole)["released"] == ["sent"]
 
 
 def test_an_announced_read_claims_under_the_key_its_remote_names_before_any_handshake(nodes):
