@@ -503,7 +503,13 @@ async def _ask(ctx: zmq.asyncio.Context, host: str, port: int, req: SideRequest,
         sock.curve_serverkey = curve.server_public
     try:
         sock.connect(f"tcp://{host}:{port}")
-        await sock.send(_encoder.encode(req))
+        # A REQ socket's send waits for a connection: one the peer refuses at the ZMTP handshake
+        # (a key it does not admit) may never come, and the send must not wait for ever.
+        try:
+            await asyncio.wait_for(sock.send(_encoder.encode(req)), timeout_s)
+        except TimeoutError:
+            raise HandshakeError("timeout", f"no connection to {host}:{port} within {timeout_s:g} s (peer down, "
+                                            "unreachable, or refusing our CurveZMQ key)") from None
         if not await sock.poll(timeout=int(timeout_s * 1000)):
             raise HandshakeError("timeout", f"no {req.__struct_config__.tag} answer from {host}:{port} within "
                                             f"{timeout_s:g} s (peer down, unreachable, or refusing our CurveZMQ key)")
