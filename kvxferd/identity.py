@@ -38,9 +38,11 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from . import protocol as P
+
 log = logging.getLogger("kvxferd")
 
-Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a 32-byte key in Z85
+Z85_KEY = re.compile(P.Z85_KEY)
 _FINGERPRINTED = re.compile(r".*-(k[0-9a-f]{32})", re.DOTALL)
 
 

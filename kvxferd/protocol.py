@@ -43,7 +43,8 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 ReadToken = Annotated[str, Meta(max_length=128)]
 MIN_READ_TOKEN = 32
 # A daemon's CurveZMQ public key in Z85 (protocol 12); "": the decode daemon's default server key.
-DaemonKey = Annotated[str, Meta(pattern=r"^(?:[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40})?\Z")]
+Z85_KEY = r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}"  # a 32-byte key in Z85
+DaemonKey = Annotated[str, Meta(pattern=rf"^(?:{Z85_KEY})?\Z")]
 MAX_BLOCK_ID = (1 << 31) - 1
 # One cache group's block ids: a msgpack array of ints, or (protocol 8) packed, little-endian
 # int32 in a bin: 4 bytes an id, decoded without a Python int each (`block_array`).
