@@ -198,6 +198,7 @@ class Daemon:
             self.zmq.destroy(linger=0)
             self.lanes.close()
             self.copier.close()  # a copy still running writes memory this process keeps mapped
+            self.reads.close()  # a large read's arrays in the making
             self.stall.disarm()
         log.info("kvxferd stopped")
 

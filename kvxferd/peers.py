@@ -60,6 +60,7 @@ from .ownside import OwnSide
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
 from .plan.planner import PlanError, RankPlan, plan_rank, targets
+from .reading import MIN_ROW_BYTES, rows_per_block
 from .recorder import PeerState, Recorder, RetireReason
 
 log = logging.getLogger("kvxferd")
@@ -69,6 +70,7 @@ log = logging.getLogger("kvxferd")
 # failed handshake is its own (it cannot fail the reads of a peer that proved its key).
 PeerKey = tuple[str, str, int, str]
 RouteKey = tuple[PeerKey, EngineKey]
+FREE_DESCRIPTORS = 1 << 20  # a route may take this many, whatever its pages (over_budget)
 PREPARED_DESCRIPTORS_MAX = 1 << 23  # local + remote, per remote rank: above, reads post explicit rows
 Lane = Literal["nixl", "copy", "loop"]
 
@@ -90,13 +92,23 @@ def _uid(er: EngineRank) -> int | None:
 
 
 def over_budget(plan: RankPlan, max_descriptors: int) -> str:
-    """Why a plan takes more descriptors than a route may (in Python ints: no wrap), or ""."""
-    total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
-    if total <= max_descriptors:
-        return ""
-    return (f"{total:,} descriptors (max_plan_descriptors {max_descriptors:,}): the peer's pages are too small "
-            "for its cache")
+    """Why a plan takes more descriptors than a route may (in Python ints: no wrap), or "".
 
+    The budget is sized from the two geometries: a route of more than FREE_DESCRIPTORS must move
+    MIN_ROW_BYTES a row on average (pages of a head of a token of a real model are 128 B and
+    more), so what its reads build (reading.py: 56 B a row at most) stays a fraction of what
+    they move; max_plan_descriptors bounds every route.
+    """
+    total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
+    nbytes = sum(int((pp.length * (pp.local_phases * pp.local_pages + pp.remote_phases * pp.remote_pages)).sum())
+                 for pp in plan.peers.values())  # what the rows of both sides cover
+    if total > max_descriptors:
+        return (f"{total:,} descriptors (max_plan_descriptors {max_descriptors:,}): the peer's pages are too "
+                "small for its cache")
+    if total > FREE_DESCRIPTORS and nbytes < total * MIN_ROW_BYTES:
+        return (f"{total:,} descriptors of {nbytes // total} B on average: the peer's pages are too small for "
+                f"its cache (a route of more than {FREE_DESCRIPTORS:,} descriptors must move {MIN_ROW_BYTES} B a row)")
+    return ""
 
 
 @dataclass(eq=False)
@@ -188,6 +200,7 @@ class Route:
     lane: Lane = "nixl"
     # a local peer's ranks read (this daemon maps their memory: it stays while a read uses it)
     sources: tuple[EngineRank, ...] = ()
+    rows_per_block: tuple[float, ...] = ()  # per cache group (reading.py: when a read is built off the loop)
 
     @property
     def engine(self) -> EngineKey:
@@ -410,7 +423,8 @@ class Peers:
         except Exception:
             self._release(links.values())
             raise
-        return Route(peer, peer.agent, er, plan, peer.tp_size, plan.consumers_per_remote_rank, links)
+        return Route(peer, peer.agent, er, plan, peer.tp_size, plan.consumers_per_remote_rank, links,
+                     rows_per_block=rows_per_block(plan))
 
     def _plan(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> RankPlan:
         plan = plan_rank(er.geometry, {r: peer.ranks[r].geometry for r in wanted})  # counts, no arrays yet
@@ -444,7 +458,7 @@ class Peers:
         log.info("engine %s rank %d <- %s ranks %s on this daemon: copied by it", er.engine_id, er.tp_rank,
                  peer.engine_id, list(plan.peers))
         return Route(peer, peer.agent, er, plan, peer.tp_size, plan.consumers_per_remote_rank, links, "copy",
-                     tuple(sources[r] for r in wanted))
+                     tuple(sources[r] for r in wanted), rows_per_block(plan))
 
     def retire_local(self, engine_id: str, why: str) -> None:
         """A rank of `engine_id` closed here: the local Peers of that engine go at once, so the

@@ -74,9 +74,10 @@ from .plan.descriptors import (
     row_blocks,
 )
 from .plan.geometry import GeometryError
-from .plan.planner import PeerPlan, PlanError
+from .plan.planner import PlanError
 from .postings import AgentRead, Posting
 from .protocol import RequestError
+from .reading import ROWS_ON_LOOP, Builder, Reading, estimate
 from .recorder import FailureKind, Recorder
 
 log = logging.getLogger("kvxferd")
@@ -97,18 +98,6 @@ _encode = msgspec.msgpack.Encoder().encode
 EARLY_CLAIM_BYTES = 1 << 20
 PAUSE_GRACE_S = 0.1  # a deadline is judged again this long after a pause was seen, once it is counted
 AUDIT_ASK_MIN_S = 0.05  # an audit is asked again after a stop only with this much of the deadline left
-
-
-@dataclass
-class Reading:
-    """What one request reads on its route: descriptor ids and bytes per remote rank."""
-
-    indices: dict[int, tuple[np.ndarray, np.ndarray]]  # remote rank -> (local ids, remote ids)
-    nbytes: dict[int, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.nbytes.values())
 
 
 def host_spans(er: EngineRank) -> Spans:
@@ -174,17 +163,25 @@ class Transfer:
         DONE may keep a posting whose handle NIXL would not release; it is not checked again."""
         return bool(self.postings) and not (self.done or self.done_at)
 
-    def reads_on(self, route: Route) -> Reading:
-        """What this request reads on `route`, per remote rank (its `read_ranks`)."""
+    def reads_on(self, route: Route, built: Reading | None = None) -> Reading:
+        """What this request reads on `route`, per remote rank (its `read_ranks`): `built` off
+        the loop for a large read (`heavy`), else computed here."""
         if self.route is route and self.reading is not None:
             return self.reading
         self.route = route
-        reading = self.reading = Reading({}, {})
-        for rank, lids, rids, nbytes in request_reads(route.plan, self.blocks):
-            reading.indices[rank] = lids, rids
-            reading.nbytes[rank] = nbytes
-        self.read_ranks = list(reading.indices)
-        return reading
+        if built is None:
+            built = Reading({}, {})
+            for rank, lids, rids, nbytes in request_reads(route.plan, self.blocks):
+                built.indices[rank] = lids, rids
+                built.nbytes[rank] = nbytes
+        self.reading = built
+        self.read_ranks = list(built.indices)
+        return built
+
+    def heavy(self, route: Route) -> bool:
+        """Too many rows to build on the loop (reading.py), and not built yet for `route`."""
+        return (self.route is not route or self.reading is None) and \
+            estimate(route.rows_per_block, self.blocks) > ROWS_ON_LOOP
 
     def post(self, reading: Reading, nixl: NixlDriver, lanes: Lanes, on_sliced: Callable[[], None],
              notices: Notices | None, copier: Copier) -> int:
@@ -210,24 +207,25 @@ class Transfer:
                 link = route.links[rank]
                 notif = hs.Notification(ref.engine_id, rank, ref.request_id, expected, ref.read_token)
                 if route.lane == "copy":  # this daemon maps both: its own copy (copier.py)
-                    pp, er, source = plan.peers[rank], self.engine, link.source
+                    source = link.source
                     if source is None or source.closing:
                         raise TransferError(f"engine {ref.engine_id} rank {rank} closed on this daemon")
-                    self.postings.append(copier.post(
-                        local_rows(pp, lids, er.region_addr, er.device), host_spans(er),
-                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), host_spans(source),
-                        on_sliced))
+                    rows_l, rows_r = self._rows(reading, rank, link)
+                    self.postings.append(copier.post(rows_l, host_spans(self.engine), rows_r, host_spans(source),
+                                                     on_sliced))
                     self.notify_after.append(notif)
                 elif split:
-                    self._post_slices(plan.peers[rank], link, lids, rids, route.agent, route.peer.metadata, lanes,
-                                      split, on_sliced)
+                    rows_l, rows_r = self._rows(reading, rank, link)
+                    er = self.engine
+                    for lane, local, remote in zip(lanes.lanes, np.array_split(rows_l, split),
+                                                   np.array_split(rows_r, split)):  # slice i on lane i
+                        self.postings.append(lane.post(local, er.mem_type, remote, link.remote_mem, route.agent,
+                                                       route.peer.metadata, on_sliced))
                     self.notify_after.append(notif)
                 elif link.local is None or link.remote is None:  # too many descriptors to prepare
-                    pp, er = plan.peers[rank], self.engine
-                    self.postings.append(AgentRead(nixl, nixl.read_rows(
-                        local_rows(pp, lids, er.region_addr, er.device), er.mem_type,
-                        remote_rows(pp, rids, link.remote_region_addr, link.remote_device), link.remote_mem,
-                        route.agent)))
+                    rows_l, rows_r = self._rows(reading, rank, link)
+                    self.postings.append(AgentRead(nixl, nixl.read_rows(rows_l, self.engine.mem_type, rows_r,
+                                                                        link.remote_mem, route.agent)))
                     self.notify_after.append(notif)
                 elif self.audit or on_side_channel:  # consumers are told once the bytes are here (and checked)
                     self.postings.append(AgentRead(nixl, nixl.read(link.local, lids, link.remote, rids, b"")))
@@ -257,14 +255,15 @@ class Transfer:
         route.peer.used = time.monotonic()  # liveness.py's idle clock
         return len(plan.targets)
 
-    def _post_slices(self, pp: PeerPlan, link: Link, lids: np.ndarray, rids: np.ndarray, agent: str,
-                     metadata: tuple[bytes, ...], lanes: Lanes, k: int, on_sliced: Callable[[], None]) -> None:
-        """One remote rank's descriptor pairs in `k` contiguous slices, slice i on lane i."""
-        er = self.engine
-        for lane, local, remote in zip(lanes.lanes, np.array_split(lids, k), np.array_split(rids, k)):
-            rows_l = local_rows(pp, local, er.region_addr, er.device)
-            rows_r = remote_rows(pp, remote, link.remote_region_addr, link.remote_device)
-            self.postings.append(lane.post(rows_l, er.mem_type, rows_r, link.remote_mem, agent, metadata, on_sliced))
+    def _rows(self, reading: Reading, rank: int, link: Link) -> tuple[np.ndarray, np.ndarray]:
+        """The explicit rows of `rank`'s READs: built ahead off the loop for a large read."""
+        if rank in reading.rows:
+            return reading.rows[rank]
+        route = self.route
+        assert route is not None
+        pp, er, (lids, rids) = route.plan.peers[rank], self.engine, reading.indices[rank]
+        return (local_rows(pp, lids, er.region_addr, er.device),
+                remote_rows(pp, rids, link.remote_region_addr, link.remote_device))
 
     def poll(self) -> bool:
         """True once every READ is DONE; TransferError when NIXL reports one failed."""
@@ -362,6 +361,7 @@ class Reads:
                  pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None,
                  copier: Copier | None = None) -> None:
         self._copier = copier or Copier(1)  # same-node reads of host memory (copier.py)
+        self._builder = Builder()  # large reads' arrays, off the loop (reading.py)
         self._leases = leases
         self._notices = notices  # None: notifications ride on the READs, as to a daemon before notices
         self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
@@ -432,7 +432,7 @@ class Reads:
         attempts = ATTEMPTS
         if route is not None and route.remote_tp == ref.tp_size and route.rank is er:
             try:  # the common case: post right here, without a task or an await
-                if self._large(t.reads_on(route)):
+                if t.heavy(route) or self._large(t.reads_on(route)):  # built off the loop, or copied after the answer
                     self._spawn(t, self._start_slow(t, ATTEMPTS))  # after the engine's answer (EARLY_CLAIM_BYTES)
                 else:
                     self._post(t, route)
@@ -485,6 +485,11 @@ class Reads:
         try:
             for _ in range(attempts):
                 route = await self._peers.route(t.msg.remote, t.engine, functools.partial(self._deadline, t))
+                if t.heavy(route):
+                    built = await self._builder.build(route, t.blocks, self._lanes.slices)
+                    if t.done:
+                        return
+                    t.reads_on(route, built)
                 try:
                     self._post(t, route)
                     return
@@ -974,6 +979,9 @@ class Reads:
         refusal was of a duplicate: the read in flight keeps its claims)."""
         if self._leases is not None and (er.engine_id, er.tp_rank, msg.request_id) not in self._in_flight:
             self._leases.release(self._leases.take_expect((er.engine_id, er.tp_rank), msg.request_id))
+
+    def close(self) -> None:
+        self._builder.close()
 
     @property
     def in_flight(self) -> int:

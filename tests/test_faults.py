@@ -16,7 +16,7 @@ import zmq
 from kvxferd.client import EngineClient, RemoteRef
 from kvxferd.lab.synthetic.demo import Cluster, DaemonProcess, EngineProcess
 from kvxferd.memory import create_shm
-from kvxferd.plan.models import PRESETS, build
+from kvxferd.plan.models import PRESETS, ModelShape, build
 
 replace = msgspec.structs.replace
 SHAPE = replace(PRESETS["dense"], num_blocks=256, layers=2)
@@ -314,3 +314,45 @@ def test_a_plan_over_the_descriptor_budget_is_refused_at_handshake(monkeypatch):
         assert all(o[0] == "failed" and o[1] == local for o in outcomes), outcomes
         assert all("max_plan_descriptors 64" in o[2] for o in outcomes), outcomes
         c.prefill.free(blocks)
+
+
+# One-token pages of 64 B (one head of 16 fp32) over 140,000 blocks: 1.1 M descriptors a side.
+TINY_PAGES = ModelShape(layers=2, kv_heads=1, head_dim=16, dtype="fp32", block_size=1, num_blocks=140_000)
+
+
+def test_a_peer_of_pages_too_small_for_its_cache_is_refused_at_handshake():
+    """The descriptor budget is sized from the geometries: a route of more than FREE_DESCRIPTORS
+    whose rows move less than MIN_ROW_BYTES on average is refused before any array is built,
+    whatever max_plan_descriptors allows."""
+    from kvxferd.peers import FREE_DESCRIPTORS
+    from kvxferd.plan.planner import plan_rank
+    from kvxferd.reading import MIN_ROW_BYTES
+
+    plan = plan_rank(build(TINY_PAGES, 1, 0), {0: build(TINY_PAGES, 1, 0)})
+    assert plan.peers[0].num_local_descs * 2 > FREE_DESCRIPTORS and 64 < MIN_ROW_BYTES  # the case it is
+    with Cluster(TINY_PAGES, 1, 1) as c:
+        blocks = c.prefill.prefill(1, 40, 2.0, read_token=c.read_token(1))
+        _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)
+        assert [o[:2] for o in outcomes] == [("failed", local)], outcomes
+        assert "descriptors of 64 B on average" in outcomes[0][2], outcomes
+        c.prefill.free(blocks)
+
+
+# A prefill of one-token blocks read into 16-token ones: a row per token, head, layer and K/V
+WIDE_ROWS = ModelShape(layers=4, kv_heads=8, head_dim=64, block_size=16, num_blocks=128)
+WIDE_ROWS_PREFILL = replace(WIDE_ROWS, block_size=1, num_blocks=16 * 128)
+
+
+def test_a_read_of_many_rows_is_built_off_the_loop_and_arrives_exact():
+    """A read whose arrays are too large to build on the daemon's loop (ROWS_ON_LOOP) is built on
+    its builder thread; its bytes arrive as a small read's do."""
+    from kvxferd.plan.descriptors import RequestBlocks
+    from kvxferd.plan.planner import plan_rank
+    from kvxferd.reading import ROWS_ON_LOOP, estimate, rows_per_block
+
+    tokens = 100 * WIDE_ROWS.block_size
+    plan = plan_rank(build(WIDE_ROWS, 1, 0), {0: build(WIDE_ROWS_PREFILL, 1, 0)})
+    assert estimate(rows_per_block(plan), RequestBlocks.of(tokens, [range(100)], [range(tokens)])) > ROWS_ON_LOOP
+    with Cluster(WIDE_ROWS, 1, 1, p_shape=WIDE_ROWS_PREFILL) as c:
+        assert c.transfer(1, tokens)["status"] == "received"  # every byte verified by the decode engine
+        assert c.transfer(2, 40)["status"] == "received"  # small ones go on as before
