@@ -51,6 +51,7 @@ from .ownside import OwnSide
 from .pace import SPIN, Pace, Wake
 from .peers import Peers, SelfPeer
 from .protocol import RequestError
+from .reading import Builder
 from .reads import Reads
 from .recorder import Recorder, RpcOutcome
 from .rpc import FrameError, ServerConnection, serve_unix
@@ -109,9 +110,11 @@ class Daemon:
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
                            self.digester, self.audit_digester, cfg.max_holds_per_engine)
         own = OwnSide(self._is_own_address, self._answer_side_channel)  # same-node reads: answered in-process
+        self.builder = Builder()  # routes' and large reads' arrays, off the loop (reading.py)
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.keys, self.lanes,
                            cfg.max_plan_descriptors,
-                           SelfPeer(own, self.engines.serving, cfg.host_lane, cfg.same_node_uids == "any"))
+                           SelfPeer(own, self.engines.serving, cfg.host_lane, cfg.same_node_uids == "any"),
+                           self.builder)
         self.copier = Copier(cfg.copy_threads)
         self.links = Links(self.zmq, self.keys, own)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
@@ -120,7 +123,7 @@ class Daemon:
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
                            cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
                            self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S), self.notices,
-                           self.copier)
+                           self.copier, self.builder)
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
@@ -198,7 +201,7 @@ class Daemon:
             self.zmq.destroy(linger=0)
             self.lanes.close()
             self.copier.close()  # a copy still running writes memory this process keeps mapped
-            self.reads.close()  # a large read's arrays in the making
+            self.builder.close()  # arrays in the making
             self.stall.disarm()
         log.info("kvxferd stopped")
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,7 +61,7 @@ from .ownside import OwnSide
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
 from .plan.planner import PlanError, RankPlan, plan_rank, targets
-from .reading import MIN_ROW_BYTES, rows_per_block
+from .reading import MIN_ROW_BYTES, Builder, rows_per_block
 from .recorder import PeerState, Recorder, RetireReason
 
 log = logging.getLogger("kvxferd")
@@ -109,6 +110,15 @@ def over_budget(plan: RankPlan, max_descriptors: int) -> str:
         return (f"{total:,} descriptors of {nbytes // total} B on average: the peer's pages are too small for "
                 f"its cache (a route of more than {FREE_DESCRIPTORS:,} descriptors must move {MIN_ROW_BYTES} B a row)")
     return ""
+
+
+def _prepared_arrays(plan: RankPlan, ranks: Sequence[int], local_addr: np.ndarray, local_device: int,
+                     remote_addr: dict[int, np.ndarray], remote_device: dict[int, int],
+                     ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per remote rank in `ranks`: the local and remote descriptor arrays its lists are prepared
+    from. Pure: runs on the builder's thread."""
+    return {rank: (local_descs(plan.peers[rank], local_addr, local_device),
+                   remote_descs(plan.peers[rank], remote_addr[rank], remote_device[rank])) for rank in ranks}
 
 
 @dataclass(eq=False)
@@ -210,7 +220,7 @@ class Route:
 class Peers:
     def __init__(self, ctx: zmq.asyncio.Context, nixl: NixlDriver, recorder: Recorder, timeout_s: float,
                  keys: PeerKeys | None, lanes: Lanes, max_plan_descriptors: int = 1 << 27,
-                 self_peer: SelfPeer | None = None) -> None:
+                 self_peer: SelfPeer | None = None, builder: Builder | None = None) -> None:
         self._ctx = ctx
         self._self = self_peer
         self._max_plan_descriptors = max_plan_descriptors
@@ -224,6 +234,8 @@ class Peers:
         self._retired: dict[Route, Peer] = {}  # routes of retired peers, until no read uses them
         self._retired_peers: list[Peer] = []
         self._handshakes: set[asyncio.Task[None]] = set()  # in flight; cancelled at shutdown
+        self._building: dict[tuple[Peer, EngineRank], asyncio.Task[Route]] = {}  # routes being planned
+        self.builder = builder or Builder()  # a route's descriptor arrays, off the loop (reading.py)
 
     async def route(self, ref: P.RemoteRef, er: EngineRank, deadline: Callable[[], float]) -> Route:
         """The route from `er` to the remote engine `ref` names: handshake and plan when new.
@@ -245,8 +257,26 @@ class Peers:
             self._retired[self.routes.pop((peer.key, er.key))] = route.peer
             route = None
         if route is None:
-            route = self.routes[(peer.key, er.key)] = self._build(peer, er)
+            building = self._building.get((peer, er))
+            if building is None:  # one build for every read waiting on this route
+                building = self._building[(peer, er)] = asyncio.get_running_loop().create_task(self._built(peer, er))
+                building.add_done_callback(functools.partial(self._build_ended, peer, er))
+            route = await until_deadline(asyncio.shield(building), deadline)
         return route
+
+    async def _built(self, peer: Peer, er: EngineRank) -> Route:
+        route = await self._build(peer, er)
+        if peer.retired or er.closing:  # while its arrays were built: its lists are not kept
+            self._release(route.links.values())
+            raise PlanError(f"engine {er.engine_id} rank {er.tp_rank} or remote engine {peer.engine_id} went away "
+                            "while the route was planned")
+        self.routes[(peer.key, er.key)] = route
+        return route
+
+    def _build_ended(self, peer: Peer, er: EngineRank, task: asyncio.Task[Route]) -> None:
+        del self._building[(peer, er)]
+        if not task.cancelled():
+            task.exception()  # retrieved: each waiter got it (or gave up waiting)
 
     async def audit(self, ref: P.RemoteRef, req: hs.AuditRequest, timeout_s: float) -> hs.AuditReply:
         """Ask the peer's side channel for the digests of rows a read took from it."""
@@ -376,7 +406,7 @@ class Peers:
                     and other.epoch and other.epoch != peer.epoch):
                 self.retire(other, f"a handshake met epoch {peer.epoch}, not {other.epoch}", "restarted")
 
-    def _build(self, peer: Peer, er: EngineRank) -> Route:
+    async def _build(self, peer: Peer, er: EngineRank) -> Route:
         """Plan `er` reading `peer` and prepare the descriptor lists of every remote rank it reads."""
         wanted = targets(er.tp_rank, er.tp_size, peer.tp_size)
         missing = [r for r in wanted if r not in peer.ranks]
@@ -388,35 +418,44 @@ class Peers:
             if why := hs.weights_mismatch(er.geometry, peer.ranks[r].geometry):
                 raise PlanError(why)
         if peer.local:
-            return self._build_local(peer, er, wanted)
-        return self._build_nixl(peer, er, wanted)
+            return await self._build_local(peer, er, wanted)
+        return await self._build_nixl(peer, er, wanted)
 
-    def _build_nixl(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
-        """Plan `er` reading `peer` through NIXL; prepare the lists of every remote rank it reads."""
+    async def _build_nixl(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
+        """Plan `er` reading `peer` through NIXL; prepare the lists of every remote rank it reads
+        (their arrays built off the loop: up to PREPARED_DESCRIPTORS_MAX rows take ~0.5 s)."""
         t0 = time.perf_counter()
         plan = self._plan(peer, er, wanted)
         log.info("planned engine %s rank %d <- %s ranks %s in %.1f ms", er.engine_id, er.tp_rank,
                  peer.engine_id, list(plan.peers), (time.perf_counter() - t0) * 1e3)
+        remote_addr = {rank: region_addresses(peer.ranks[rank].geometry, peer.ranks[rank].buffer_addrs)
+                       for rank in plan.peers}
+        prepared = [rank for rank, pp in plan.peers.items()
+                    if pp.num_local_descs + pp.num_remote_descs <= PREPARED_DESCRIPTORS_MAX]
+        arrays = await self.builder.run(_prepared_arrays, plan, prepared, er.region_addr, er.device, remote_addr,
+                                        {rank: peer.ranks[rank].device for rank in prepared})
+        if peer.retired or er.closing:  # nothing prepared yet: nothing to release
+            raise PlanError(f"engine {er.engine_id} rank {er.tp_rank} or remote engine {peer.engine_id} went away "
+                            "while the route was planned")
         links: dict[int, Link] = {}
         try:
             for rank, pp in plan.peers.items():
                 info = peer.ranks[rank]
                 t0 = time.perf_counter()
-                remote_addr = region_addresses(info.geometry, info.buffer_addrs)
-                if pp.num_local_descs + pp.num_remote_descs > PREPARED_DESCRIPTORS_MAX:
-                    links[rank] = Link(None, None, remote_addr, info.mem_type, info.device)
+                if rank not in arrays:
+                    links[rank] = Link(None, None, remote_addr[rank], info.mem_type, info.device)
                     log.info("engine %s rank %d <- %s rank %d: %d local / %d remote descriptors, too many to "
                              "prepare; reads post the rows they need", er.engine_id, er.tp_rank, peer.engine_id,
                              rank, pp.num_local_descs, pp.num_remote_descs)
                     continue
-                local = self._nixl.prep_local(local_descs(pp, er.region_addr, er.device), er.mem_type)
+                local_array, remote_array = arrays[rank]
+                local = self._nixl.prep_local(local_array, er.mem_type)
                 try:
-                    remote = self._nixl.prep_remote(peer.agent, remote_descs(pp, remote_addr, info.device),
-                                                    info.mem_type)
+                    remote = self._nixl.prep_remote(peer.agent, remote_array, info.mem_type)
                 except Exception:
                     self._nixl.release_dlist(local)
                     raise
-                links[rank] = Link(local, remote, remote_addr, info.mem_type, info.device)
+                links[rank] = Link(local, remote, remote_addr[rank], info.mem_type, info.device)
                 log.info("prepared %d local / %d remote descriptors for engine %s rank %d <- %s rank %d in %.1f ms",
                          pp.num_local_descs, pp.num_remote_descs, er.engine_id, er.tp_rank, peer.engine_id, rank,
                          (time.perf_counter() - t0) * 1e3)
@@ -432,7 +471,7 @@ class Peers:
             raise PlanError(f"reading {peer.engine_id} for engine {er.engine_id} rank {er.tp_rank}: {why}")
         return plan
 
-    def _build_local(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
+    async def _build_local(self, peer: Peer, er: EngineRank, wanted: Sequence[int]) -> Route:
         """`er` reading another engine of this daemon: host memory by our copy (no lists to
         prepare), GPU memory by a READ on our own agent (its lists prepared as for a peer)."""
         assert self._self is not None
@@ -449,7 +488,7 @@ class Peers:
                             "(same_node_uids = \"any\" allows them)")
         host = all(m.kind == "DRAM" for e in (er, *(sources[r] for r in wanted)) for m in e.mappings)
         if not host or self._self.host_lane == "loop":  # NIXL's own loopback: it reads what it registered
-            return dataclasses.replace(self._build_nixl(peer, er, wanted), lane="loop",
+            return dataclasses.replace(await self._build_nixl(peer, er, wanted), lane="loop",
                                        sources=tuple(sources[r] for r in wanted))
         plan = self._plan(peer, er, wanted)
         links = {rank: Link(None, None, region_addresses(peer.ranks[rank].geometry, peer.ranks[rank].buffer_addrs),
@@ -505,7 +544,7 @@ class Peers:
     def close(self) -> None:
         """Shutdown: cancel the handshakes under way (nothing waits for them now; the daemon's
         context closes their sockets), release every list and remove every agent."""
-        for task in self._handshakes:
+        for task in [*self._handshakes, *self._building.values()]:
             task.cancel()
         for route in [*self.routes.values(), *self._retired]:
             self._release(route.links.values())

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,7 @@ ROWS_ON_LOOP = 1 << 16  # ~10 ms of numpy with explicit rows: more is built off 
 MIN_ROW_BYTES = 128  # a large route's mean row (see peers.over_budget)
 
 Rows = tuple[np.ndarray, np.ndarray]  # (local, remote)
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,14 +89,16 @@ def build(route: Route, blocks: RequestBlocks, slices: Callable[[int], int]) -> 
 
 
 class Builder:
-    """The thread large readings are built on: one, so that at most one read's arrays are in
-    the making at a time (memory, and a core the loop keeps)."""
+    """The thread large arrays are built on (a route's prepared lists, a large read's ids and
+    rows): one, so that at most one is in the making at a time (memory, and a core the loop
+    keeps)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-rows")
 
-    async def build(self, route: Route, blocks: RequestBlocks, slices: Callable[[int], int]) -> Reading:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, build, route, blocks, slices)
+    async def run(self, job: Callable[..., T], *args: Any) -> T:
+        """`job(*args)` on the builder's thread: a pure function of what it is given."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, job, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -78,6 +78,7 @@ from .plan.planner import PlanError
 from .postings import AgentRead, Posting
 from .protocol import RequestError
 from .reading import ROWS_ON_LOOP, Builder, Reading, estimate
+from .reading import build as build_reading
 from .recorder import FailureKind, Recorder
 
 log = logging.getLogger("kvxferd")
@@ -359,9 +360,9 @@ class Reads:
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
                  max_per_rank: int = 4096, leases: Leases | None = None,
                  pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None,
-                 copier: Copier | None = None) -> None:
+                 copier: Copier | None = None, builder: Builder | None = None) -> None:
         self._copier = copier or Copier(1)  # same-node reads of host memory (copier.py)
-        self._builder = Builder()  # large reads' arrays, off the loop (reading.py)
+        self._builder = builder or Builder()  # large reads' arrays, off the loop (reading.py)
         self._leases = leases
         self._notices = notices  # None: notifications ride on the READs, as to a daemon before notices
         self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
@@ -486,7 +487,7 @@ class Reads:
             for _ in range(attempts):
                 route = await self._peers.route(t.msg.remote, t.engine, functools.partial(self._deadline, t))
                 if t.heavy(route):
-                    built = await self._builder.build(route, t.blocks, self._lanes.slices)
+                    built = await self._builder.run(build_reading, route, t.blocks, self._lanes.slices)
                     if t.done:
                         return
                     t.reads_on(route, built)
@@ -979,9 +980,6 @@ class Reads:
         refusal was of a duplicate: the read in flight keeps its claims)."""
         if self._leases is not None and (er.engine_id, er.tp_rank, msg.request_id) not in self._in_flight:
             self._leases.release(self._leases.take_expect((er.engine_id, er.tp_rank), msg.request_id))
-
-    def close(self) -> None:
-        self._builder.close()
 
     @property
     def in_flight(self) -> int:

@@ -329,7 +329,8 @@ def test_a_peer_of_pages_too_small_for_its_cache_is_refused_at_handshake():
     from kvxferd.reading import MIN_ROW_BYTES
 
     plan = plan_rank(build(TINY_PAGES, 1, 0), {0: build(TINY_PAGES, 1, 0)})
-    assert plan.peers[0].num_local_descs * 2 > FREE_DESCRIPTORS and 64 < MIN_ROW_BYTES  # the case it is
+    pp = plan.peers[0]  # the case it is: many rows, each shorter than a row must be
+    assert pp.num_local_descs + pp.num_remote_descs > FREE_DESCRIPTORS and int(pp.length.max()) < MIN_ROW_BYTES
     with Cluster(TINY_PAGES, 1, 1) as c:
         blocks = c.prefill.prefill(1, 40, 2.0, read_token=c.read_token(1))
         _, outcomes, local = read_outcome(c, 1, 40, 5.0, remote=c.remote(1), blocks=blocks)

@@ -467,7 +467,8 @@ def _stand_in_reads(monkeypatch, link, nbytes: int, posted: list, completions: l
                          complete=completions.append)
     ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
     route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False, used=0.0, since=0.0),
-                            plan=SimpleNamespace(targets=(0,)), rank=er, sources=(), lane="nixl")
+                            plan=SimpleNamespace(targets=(0,)), rank=er, sources=(), lane="nixl",
+                            rows_per_block=(0.0,))
 
     async def cached(ref, er, deadline):
         return route
