@@ -21,7 +21,8 @@ Targets (each must only return or raise the documented error; anything else is a
     audit         a whole audit request's rows against a      -> a refusal, or one digest per
                   held request (bounds, bytes, unaligned)       row (never a read outside it)
     plan_budget   peers of any page size over caches of up    -> PlanError, GeometryError, or
-                  to 2^31 blocks: counted, never built          counts that are whole and >= 0
+                  to 2^31 blocks: counted, never built          counts that are whole and >= 0,
+                                                                refused as the budget says
     doorbell      what an engine reads from its daemon's      -> DoorbellError
                   doorbell: pipe bytes cut anywhere, and a
                   ring page of any head, tail and bytes
@@ -253,7 +254,8 @@ def fuzz_audit(data: bytes) -> None:
 
 
 def fuzz_plan_budget(data: bytes) -> None:
-    from kvxferd.peers import over_budget
+    from kvxferd.peers import FREE_DESCRIPTORS, over_budget
+    from kvxferd.reading import MIN_ROW_BYTES
 
     fdp = atheris.FuzzedDataProvider(data)
     name = PRESET_NAMES[fdp.ConsumeIntInRange(0, len(PRESET_NAMES) - 1)]
@@ -271,7 +273,11 @@ def fuzz_plan_budget(data: bytes) -> None:
         assert int(pp.num_local_descs) >= 0 and int(pp.num_remote_descs) >= 0, "a descriptor count wrapped"
     budget = fdp.ConsumeIntInRange(1, 1 << 40)
     total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
-    assert bool(over_budget(plan, budget)) == (total > budget)
+    nbytes = sum(int(length) * (int(lph) * int(lpg) + int(rph) * int(rpg)) for pp in plan.peers.values()
+                 for length, lph, lpg, rph, rpg in zip(pp.length, pp.local_phases, pp.local_pages, pp.remote_phases,
+                                                       pp.remote_pages))
+    small_rows = total > FREE_DESCRIPTORS and nbytes < total * MIN_ROW_BYTES
+    assert bool(over_budget(plan, budget)) == (total > budget or small_rows)
 
 
 def fuzz_doorbell(data: bytes) -> None:

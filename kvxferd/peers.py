@@ -101,8 +101,10 @@ def over_budget(plan: RankPlan, max_descriptors: int) -> str:
     they move; max_plan_descriptors bounds every route.
     """
     total = sum(int(pp.num_local_descs) + int(pp.num_remote_descs) for pp in plan.peers.values())
-    nbytes = sum(int((pp.length * (pp.local_phases * pp.local_pages + pp.remote_phases * pp.remote_pages)).sum())
-                 for pp in plan.peers.values())  # what the rows of both sides cover
+    nbytes = sum(length * (lph * lpg + rph * rpg) for pp in plan.peers.values()  # what both sides' rows cover
+                 for length, lph, lpg, rph, rpg in zip(pp.length.tolist(), pp.local_phases.tolist(),
+                                                       pp.local_pages.tolist(), pp.remote_phases.tolist(),
+                                                       pp.remote_pages.tolist()))
     if total > max_descriptors:
         return (f"{total:,} descriptors (max_plan_descriptors {max_descriptors:,}): the peer's pages are too "
                 "small for its cache")
