@@ -112,6 +112,45 @@ def test_a_decode_request_is_expected_as_it_arrives_and_then_read_or_released():
     assert [(r.request_id, r.is_release) for r in s.take_orders().reads] == [("req-d", False), ("req-a", True)]
 
 
+def _window_params(num_tokens: int, window: int, block_size: int) -> dict:
+    """A prefill's params for one sliding-window group: the blocks it nulled before its window."""
+    skipped = max(0, num_tokens - window + 1) // block_size
+    blocks = [0] * skipped + list(range(100, 100 + handoff.cdiv(num_tokens, block_size) - skipped))
+    return handoff.prefill_params("engine-p", "req-p", "10.0.0.1", 5600, 2, [blocks], num_tokens, [block_size], TOKEN,
+                                  DAEMON_KEY)
+
+
+@pytest.mark.parametrize("decode_block,read", [(64, True), (256, False)])
+def test_a_read_the_window_would_refuse_is_computed_locally_from_the_start(decode_block, read):
+    """The prefill keeps a window of 64 tokens in blocks of 32: of a 200-token prompt, tokens
+    from 128 on. A decode caching prefixes, whose window blocks are 64 tokens, needs them from 128
+    as well: read. One of 256-token blocks keeps its block 0..255 whole, which the prefill cannot
+    fill: vLLM is told there is nothing to load (it computes the prompt), the prefill's hold is
+    released, and nothing is refused after the request was scheduled (a failed request)."""
+    s = side([GroupInfo("attention", decode_block, sliding_window=64)])  # window 0: caching prefixes
+    req = Request("req-d", 200, _window_params(200, 64, 32))
+    s.new_request(req)
+    matched = s.matched_tokens(req, 0)
+    orders = s.take_orders()
+    if read:
+        assert matched == (200, True) and [r.is_release for r in orders.reads] == []
+        s.after_alloc(req, Blocks([handoff.blocks_after_alloc(s.groups, 200)[0]]), 200)
+        (order,) = s.take_orders().reads
+        assert not order.refusal and order.remote_blocks == [[100, 101, 102]]
+    else:
+        assert matched == (0, False) and [r.is_release for r in orders.reads] == [True]
+        assert req.kv_transfer_params["do_remote_prefill"] is False
+        s.after_alloc(req, Blocks([[7]]), 0)  # vLLM computes it: nothing more is ordered
+        assert s.take_orders().reads == []
+
+
+def test_blocks_after_alloc_null_what_vllm_s_sliding_window_skips():
+    groups = [GroupInfo("attention", 32, sliding_window=64), GroupInfo("attention", 32), GroupInfo("state", 4096)]
+    # 200 tokens: blocks wholly before token 137 are skipped (vLLM: num_tokens - window + 1)
+    assert handoff.blocks_after_alloc(groups, 200) == [[0, 0, 0, 0, 1, 1, 1], [1] * 7, [1]]
+    assert handoff.blocks_after_alloc(groups, 40) == [[1, 1], [1, 1], [1]]
+
+
 def test_decode_full_hit_releases_without_reading():
     s = side()
     req = Request("req-d", 97, prefill_params(97))

@@ -53,8 +53,8 @@ def _group_info(spec: Any, prefix_caching: bool) -> GroupInfo:
         return GroupInfo("state", spec.block_size, spec.num_speculative_blocks)
     # A window block filled from inside would be cached as whole: a later, shorter prompt with the
     # same prefix would attend to its unwritten tokens. Only a decode without a prefix cache may.
-    window = 0 if prefix_caching else getattr(spec, "sliding_window", None) or 0
-    return GroupInfo("attention", spec.block_size, window=window)
+    sliding = getattr(spec, "sliding_window", None) or 0
+    return GroupInfo("attention", spec.block_size, window=0 if prefix_caching else sliding, sliding_window=sliding)
 
 
 class KvxferdMetadata(KVConnectorMetadata):

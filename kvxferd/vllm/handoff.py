@@ -93,6 +93,7 @@ class GroupInfo(msgspec.Struct, frozen=True, array_like=True):
     # attention: the sliding window in tokens, where a window block may be filled from inside
     # (0: full attention, or a decode caching prefixes: it would cache the block as whole)
     window: int = 0
+    sliding_window: int = 0  # attention: the group's sliding window in tokens, caching or not (0: none)
 
 
 # Bounds on what a hand-off may name, checked in arbitrary precision before use.
@@ -192,6 +193,21 @@ def state_block(info: GroupInfo, ids: Sequence[int]) -> list[int]:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def blocks_after_alloc(groups: list[GroupInfo], num_tokens: int) -> list[list[int]]:
+    """The block lists vLLM gives a request of `num_tokens` computed tokens (prefix hit and read),
+    as placeholders: NULL_BLOCK where a sliding window skips the block, 1 where a block is kept.
+    vLLM 0.32's SlidingWindowManager skips the blocks wholly before token
+    num_tokens - sliding_window + 1 (`get_num_skipped_tokens`)."""
+    lists = []
+    for info in groups:
+        blocks = cdiv(num_tokens, info.block_size)
+        skipped = 0
+        if info.kind == "attention" and info.sliding_window:
+            skipped = min(blocks, max(0, num_tokens - info.sliding_window + 1) // info.block_size)
+        lists.append([NULL_BLOCK] * skipped + [1] * (blocks - skipped))
+    return lists
 
 
 def read_order(request_id: str, prefill: RemotePrefill, groups: list[GroupInfo], local_block_ids: list[list[int]],

@@ -4,7 +4,8 @@
               request_finished(do_remote_decode) -> delay free, hold order, params for D
     decode:   new request (do_remote_prefill) -> expect order (the prefill's holds kept alive
               while the request waits to be scheduled)
-              get_num_new_matched_tokens(do_remote_prefill) -> (missing tokens, async)
+              get_num_new_matched_tokens(do_remote_prefill) -> (missing tokens, async), or 0 and a
+              release when the read would be refused (vLLM computes the prompt)
               update_state_after_alloc -> read order (the missing tail) or release (full hit)
               request_finished before any of that (abort) -> release
     each step: build_connector_meta -> Orders for every worker
@@ -26,6 +27,7 @@ from .handoff import (
     HoldOrder,
     Orders,
     RemotePrefill,
+    blocks_after_alloc,
     held_blocks,
     parse_remote,
     prefill_params,
@@ -103,6 +105,16 @@ class SchedulerSide:
         # prefix cache holds all but that token, there is nothing worth reading. (A state
         # model's prefill stopped short of that token already.)
         if num_computed >= num_tokens - (0 if self.backoff else 1):
+            return 0, False
+        # A read the two geometries refuse (a window held from later than a block this side
+        # keeps, lists too short) is known now: vLLM computes the prompt itself, rather than
+        # failing the request when the read is refused after it was scheduled as a load.
+        planned = read_order(request.request_id, prefill, self.groups, blocks_after_alloc(self.groups, num_tokens),
+                             num_tokens, num_computed)
+        if planned.refusal:
+            log.warning("request %s: %s; computing it locally", request.request_id, planned.refusal)
+            self.orders.reads.append(release_order(request.request_id, prefill))
+            request.kv_transfer_params["do_remote_prefill"] = False
             return 0, False
         return num_tokens - num_computed, True
 
