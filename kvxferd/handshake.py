@@ -164,7 +164,7 @@ class HandshakeReply(msgspec.Struct):
         return (self.metadata, *self.more_metadata) if self.metadata else tuple(self.more_metadata)
 
 
-class Notification(msgspec.Struct, array_like=True, tag="KVX1"):
+class Notification(msgspec.Struct, array_like=True, tag="KVX1", gc=False):
     """One consumer of the prefill engine's held request is done (also sent for a rank nothing
     is read from). In a `NoticeRequest`, or as a NIXL notification carried by a READ. On the wire:
     `["KVX1", engine, prefill rank, prefill request id, expected consumers, read token]`; a

@@ -114,7 +114,9 @@ def pack_blocks(ids: Iterable[int] | np.ndarray) -> bytes:
 
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
-    pass
+    """A request on the engine socket. Those made once per request (hold, read, expect, their
+    completion) are `gc=False`: they hold only strings, numbers and lists of them, never a cycle,
+    so the garbage collector need not track them (thousands a second)."""
 
 
 class MemoryHandle(msgspec.Struct, forbid_unknown_fields=True):
@@ -154,7 +156,7 @@ class Unregister(Msg, tag="unregister"):
     tp_rank: Rank
 
 
-class Hold(Msg, tag="hold", omit_defaults=True):  # a daemon before 11 refuses a read_token it is sent
+class Hold(Msg, tag="hold", omit_defaults=True, gc=False):  # a daemon before 11 refuses a read_token it is sent
     """Prefill: keep request's blocks until its consumers have read them or the lease ends."""
     engine_id: Name
     tp_rank: Rank
@@ -167,7 +169,7 @@ class Hold(Msg, tag="hold", omit_defaults=True):  # a daemon before 11 refuses a
     read_token: ReadToken = ""
 
 
-class RemoteRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class RemoteRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
     engine_id: Name
     host: Name
     port: Port
@@ -179,7 +181,7 @@ class RemoteRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     daemon_key: DaemonKey = ""
 
 
-class Read(Msg, tag="read"):
+class Read(Msg, tag="read", gc=False):
     """Decode: pull `remote.request_id` from the remote engine into these local blocks."""
     engine_id: Name
     tp_rank: Rank
@@ -192,7 +194,7 @@ class Read(Msg, tag="read"):
     audit: bool | None = None  # check the bytes against the prefill's digests; None: integrity_audit
 
 
-class Expect(Msg, tag="expect"):
+class Expect(Msg, tag="expect", gc=False):
     """Protocol 6, decode: this request will read `remote` (a `read` with the same request id
     follows, or a release). The daemon keeps the prefill's holds alive from now until that read
     ends, at most max_lease_s: a decode busy before it allocates blocks still finds the KV."""
@@ -230,7 +232,7 @@ class Attach(Msg, tag="attach"):
 Request = Hello | Register | Unregister | Hold | Read | Batch | Poll | StatusQuery | Attach | Expect
 
 
-class Completion(msgspec.Struct):
+class Completion(msgspec.Struct, gc=False):
     request_id: str
     status: Literal["sent", "expired", "received", "failed"]
     block_ids: list[list[int]] = []

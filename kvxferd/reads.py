@@ -110,7 +110,7 @@ class StaleRoute(Exception):
     """Nothing could be posted on a route: most likely its peer restarted (new agent, same address)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     """One read request: what it asked for, what it posted, and how it ended."""
 
