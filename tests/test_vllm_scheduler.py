@@ -177,6 +177,16 @@ def test_bad_params_compute_locally():
     assert req.kv_transfer_params["do_remote_prefill"] is False
 
 
+def test_a_block_named_twice_is_computed_locally_before_scheduling():
+    """The decode daemon refuses a read naming a remote block twice; the scheduler half knows it
+    from the params (nulls may repeat: they are what a window dropped)."""
+    s = side()
+    assert handoff.parse_remote(prefill_params(blocks=(0, 0, 6, 7)), 1).block_ids == ((0, 0, 6, 7),)
+    req = Request("req-d", 100, prefill_params(blocks=(4, 5, 5, 7)))
+    assert s.matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+
+
 def test_params_parse_flat_block_lists_and_refuse_wrong_group_counts():
     flat = dict(prefill_params(), remote_block_ids=[1, 2, 3])
     assert handoff.parse_remote(flat, 1).block_ids == ((1, 2, 3),)

@@ -162,7 +162,12 @@ def _bounded(value: Any, low: int, high: int, what: str) -> int:
 def _block_list(ids: Any) -> tuple[int, ...]:
     if not isinstance(ids, list) or len(ids) > MAX_BLOCKS_PER_GROUP:
         raise HandoffError(f"remote_block_ids: each group's list holds at most {MAX_BLOCKS_PER_GROUP} block ids")
-    return tuple(_bounded(b, 0, MAX_BLOCK_ID, "remote_block_ids") for b in ids)
+    blocks = tuple(_bounded(b, 0, MAX_BLOCK_ID, "remote_block_ids") for b in ids)
+    real = [b for b in blocks if b != NULL_BLOCK]
+    if len(set(real)) != len(real):  # the daemon refuses a read naming one twice: known here already
+        twice = next(b for i, b in enumerate(real) if b in real[:i])
+        raise HandoffError(f"remote_block_ids name block {twice} twice")
+    return blocks
 
 
 def prefill_params(engine_id: str, request_id: str, host: str, port: int, tp_size: int,
