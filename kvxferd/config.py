@@ -22,7 +22,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     socket_group: str = ""  # group that may connect (socket made 0660 for it)
     allowed_uids: list[int] = []  # SO_PEERCRED allow-list; empty: the daemon's own uid and root
     max_connections_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 256  # engine socket connections open at once
+    # Keep holds without a read_token (engines before protocol 11, or passing none): any reader
+    # that names such a request may read the blocks it names. False refuses them (docs/security.md).
+    open_holds: bool = True
     max_holds_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 65536  # held requests per engine rank
+    # ... and per uid, across all its engine ranks and connections (quotas.py)
+    max_holds_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1 << 18
     # engine ranks one uid has registered (each maps its memory: vm.max_map_count is the node's),
     # those closing and still mapped included
     max_ranks_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1024
@@ -30,6 +35,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # too, to look for holes at each hold: the daemon's open files are every engine's)
     max_buffers_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 16384
     max_reads_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 4096  # reads in flight per engine rank
+    max_reads_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1 << 15  # ... and per uid, across its ranks
+    # expectations (reads announced with `expect`) per uid across its ranks; each rank has 4,096
+    # (leases.MAX_EXPECTS_PER_RANK). Past either, that rank's or uid's own oldest make room.
+    max_expects_per_uid: Annotated[int, msgspec.Meta(ge=1)] = 1 << 14
     # Descriptors (local + remote) a route to one peer may take; a plan above it is refused at
     # handshake (a peer of one-token pages over a large cache would take GBs of descriptor arrays).
     max_plan_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 1 << 27
@@ -64,6 +73,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake
     curve_server_key_file: str = ""  # public key peers' servers present; default: our own
+    # With Curve, answer side-channel requests (and count NIXL notifications) whose requester names
+    # no key's fingerprint: daemons before protocol 12, which anyone authorized may pose as. Only
+    # while a cluster upgrades (docs/security.md, "Identity is the key").
+    unattributed_peers: bool = False
     # Serve the side channel beyond loopback without CurveZMQ keys (see check_side_channel): only
     # where every host that reaches side_channel_port may read the KV blocks this daemon holds.
     side_channel_insecure: bool = False

@@ -108,7 +108,8 @@ class Daemon:
         self.digester = integrity.Digester("digest")  # our engines' holds and reads
         self.audit_digester = integrity.Digester("audit")  # peers' audits: apart, so neither starves the other
         self.holds = Holds(self.engines, self.nixl, self.recorder, cfg.max_lease_s, cfg.integrity_audit,
-                           self.digester, self.audit_digester, cfg.max_holds_per_engine)
+                           self.digester, self.audit_digester, cfg.max_holds_per_engine, cfg.max_holds_per_uid,
+                           nixl_notices=self.keys is None or cfg.unattributed_peers, open_holds=cfg.open_holds)
         own = OwnSide(self._is_own_address, self._answer_side_channel)  # same-node reads: answered in-process
         self.builder = Builder()  # routes' and large reads' arrays, off the loop (reading.py)
         self.peers = Peers(self.zmq, self.nixl, self.recorder, cfg.handshake_timeout_s, self.keys, self.lanes,
@@ -118,16 +119,19 @@ class Daemon:
         self.copier = Copier(cfg.copy_threads)
         self.links = Links(self.zmq, self.keys, own)
         self.leases = Leases(self.links, self.recorder, self.nixl.name, cfg.claim_s, cfg.lease_renewal,
-                             cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s)
+                             cfg.handshake_timeout_s, cfg.confirm_leases, cfg.max_lease_s,
+                             max_expects_per_uid=cfg.max_expects_per_uid)
         self.notices = Notices(self.links, self.recorder, self.nixl.name)
         self.reads = Reads(self.nixl, self.peers, self.recorder, cfg.max_deadline_s, self.lanes, self._wake.set,
-                           cfg.integrity_audit, cfg.allowed_peers, self.digester, cfg.max_reads_per_engine,
-                           self.leases, lambda now: self.stall.behind(now, HOUSEKEEPING_S), self.notices,
-                           self.copier, self.builder)
+                           cfg.integrity_audit, cfg.allowed_peers, self.digester,
+                           max_per_rank=cfg.max_reads_per_engine, max_per_uid=cfg.max_reads_per_uid,
+                           leases=self.leases, pausing=lambda now: self.stall.behind(now, HOUSEKEEPING_S),
+                           notices=self.notices, copier=self.copier, builder=self.builder)
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
-                                            self._answer_side_channel, self.keys, self._on_misattributed)
+                                            self._answer_side_channel, self.keys, self._on_misattributed,
+                                            cfg.unattributed_peers)
         self.cfg = cfg = msgspec.structs.replace(cfg, side_channel_port=self.hs_server.port)
         group = self._socket_gid = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         self.unix_sock, accept = await serve_unix(cfg.socket_path, self._on_connect, self._on_frame,
@@ -477,8 +481,7 @@ class Daemon:
                 self.reads.start(self._rank(engine_id, rank, conn, "read"), msg, received_at)
                 return P.Ok()
             case P.Expect(engine_id=engine_id, tp_rank=rank):
-                er = self._rank(engine_id, rank, conn, "expect")
-                self._expect(er.key, msg)
+                self._expect(self._rank(engine_id, rank, conn, "expect"), msg)
                 return P.Ok()
             case P.Batch(items=items):
                 return self._batch(conn, items, received_at)
@@ -487,9 +490,9 @@ class Daemon:
             case P.StatusQuery():
                 return P.StatusReply(self.status())
 
-    def _expect(self, er: tuple[str, int], msg: P.Expect) -> None:
+    def _expect(self, er: EngineRank, msg: P.Expect) -> None:
         if self.reads.may_dial(msg.remote.host, msg.remote.port):
-            self.leases.expect(er, msg.request_id, msg.remote)
+            self.leases.expect(er.key, msg.request_id, msg.remote, er.uid)
 
     def _hold(self, er: EngineRank, msg: P.Hold) -> Awaitable[object] | None:
         digesting = self.holds.hold(er, msg)
@@ -543,7 +546,7 @@ class Daemon:
                     if digesting is not None:
                         waits.append(digesting)
                 elif isinstance(item, P.Expect):
-                    self._expect((item.engine_id, item.tp_rank), item)
+                    self._expect(self._rank(item.engine_id, item.tp_rank, conn), item)
                 else:
                     self.reads.start(self._rank(item.engine_id, item.tp_rank, conn), item, received_at)
                 results.append(P.Ok())

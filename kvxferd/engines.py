@@ -62,6 +62,7 @@ class EngineRank:
     doorbell: Doorbell | None = None  # the pipe that tells the engine of completions (protocol 5)
     digesting: int = 0  # integrity digests reading this memory on the digest thread (integrity.Digester)
     epoch: str = ""  # the engine's registration this rank belongs to (see the module's docstring)
+    uid: int | None = None  # the registering connection's (SO_PEERCRED); None: registered in-process
 
     @property
     def key(self) -> EngineKey:
@@ -194,7 +195,8 @@ class Engines:
         er = EngineRank(msg.engine_id, msg.tp_rank, msg.tp_size, geo, mappings, regs,
                         region_addresses(geo, [mp.address for mp in mappings]), hs.compat_hash(geo), conn,
                         lane_registrations=lane_regs,
-                        epoch=siblings[0].epoch if siblings else secrets.token_hex(8))
+                        epoch=siblings[0].epoch if siblings else secrets.token_hex(8),
+                        uid=None if conn is None else conn.credentials[1])
         self._ranks[er.key] = er
         self._changed()
         log.info("registered engine %s rank %d/%d: %s, %d B", er.engine_id, er.tp_rank, er.tp_size,
@@ -206,8 +208,7 @@ class Engines:
             raise RequestError("bad_request", f"engine {msg.engine_id!r} rank {msg.tp_rank} already registered")
         if conn is not None:  # each rank maps memory: one user's ranks are bounded, whatever their engine ids
             uid = conn.credentials[1]
-            mine = [r for r in (*self._ranks.values(), *self._closing)
-                    if r.conn is not None and r.conn.credentials[1] == uid]
+            mine = [r for r in (*self._ranks.values(), *self._closing) if r.uid == uid]
             if len(mine) >= self._max_ranks_per_uid:
                 raise RequestError("bad_request", f"uid {uid} has {len(mine)} engine ranks registered or still mapped "
                                                   f"(max_ranks_per_uid {self._max_ranks_per_uid})")
@@ -216,9 +217,9 @@ class Engines:
                 raise RequestError("bad_request", f"uid {uid} would have {buffers} engine buffers mapped "
                                                   f"(max_buffers_per_uid {self._max_buffers_per_uid})")
         for other in self.serving(msg.engine_id):  # an engine's ranks: one user's, one TP size
-            if other.conn is not None and conn is not None and other.conn.credentials[1] != conn.credentials[1]:
+            if other.uid is not None and conn is not None and other.uid != conn.credentials[1]:
                 raise RequestError("forbidden", f"engine {msg.engine_id!r} is registered by another user "
-                                                f"(uid {other.conn.credentials[1]})")
+                                                f"(uid {other.uid})")
             if other.tp_size != msg.tp_size:
                 raise RequestError("bad_request", f"engine {msg.engine_id!r} has ranks of TP size {other.tp_size}, "
                                                   f"not {msg.tp_size}")

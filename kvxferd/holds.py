@@ -51,6 +51,7 @@ from .identity import fingerprinted
 from .logs import Throttle
 from .nixl_driver import NixlDriver
 from .protocol import RequestError
+from .quotas import Quota
 from .recorder import HoldOutcome, Recorder
 
 log = logging.getLogger("kvxferd")
@@ -233,10 +234,14 @@ class Holds:
     def __init__(self, engines: Engines, nixl: NixlDriver, recorder: Recorder, max_lease_s: float,
                  integrity_audit: bool = False, digester: integrity.Digester | None = None,
                  audit_digester: integrity.Digester | None = None,
-                 max_per_rank: int = 1 << 16) -> None:
+                 max_per_rank: int = 1 << 16, max_per_uid: int = 1 << 18, nixl_notices: bool = True,
+                 open_holds: bool = True) -> None:
         self._engines = engines
-        self._max_per_rank = max_per_rank
-        self._per_rank: dict[EngineKey, int] = {}  # holds by engine rank (max_holds_per_engine)
+        self._open_holds = open_holds  # holds without a read_token are kept (any reader naming them may read)
+        # NIXL notifications under names without a key's fingerprint count (False: a keyed daemon
+        # that attributes every request to its key, where those come on the side channel only)
+        self._nixl_notices = nixl_notices
+        self._quota = Quota("held requests", max_per_rank, "max_holds_per_engine", max_per_uid, "max_holds_per_uid")
         self._memory_seen: dict[EngineKey, float] = {}  # monotonic: a rank's memory was last found whole
         self._digester = digester or integrity.Digester()  # engines' holds
         self._audit_digester = audit_digester or integrity.Digester("audit")  # peers' audits
@@ -264,6 +269,10 @@ class Holds:
         `also_new`: new holds of the same rank applied before this one (a batch's)."""
         if msg.lease_s > self._max_lease_s:
             raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self._max_lease_s}]")
+        if not msg.read_token and not self._open_holds:
+            raise RequestError("bad_request", f"hold of request {msg.request_id!r} carries no read_token: this "
+                                              "daemon keeps no open holds (open_holds = false), which any reader "
+                                              "naming the request could read; pass client.new_read_token()")
         if msg.read_token and len(msg.read_token) < P.MIN_READ_TOKEN:
             raise RequestError("bad_request", f"read_token of {len(msg.read_token)} characters; at least "
                                               f"{P.MIN_READ_TOKEN} (128 random bits as hex), or none")
@@ -274,10 +283,7 @@ class Holds:
             return False
         _check_block_ids(er, msg.block_ids)
         self._check_memory(er)
-        held = self._per_rank.get(er.key, 0) + also_new
-        if held >= self._max_per_rank:
-            raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} holds {held} requests "
-                                              f"(max_holds_per_engine {self._max_per_rank})")
+        self._quota.check(er, also_new)
         return True
 
     def _check_memory(self, er: EngineRank) -> None:
@@ -304,7 +310,7 @@ class Holds:
         held = self._held.get(key)
         digests = None
         if held is None:
-            self._per_rank[er.key] = self._per_rank.get(er.key, 0) + 1
+            self._quota.take(er)
             if self._integrity_audit if msg.digest is None else msg.digest:
                 digests = asyncio.ensure_future(self._digest_hold(er, msg.block_ids))
                 digests.add_done_callback(_log_failure)
@@ -331,10 +337,11 @@ class Holds:
         if n is None:
             self._recorder.notification_received("malformed")
             return False
-        if fingerprinted(sender):
+        if fingerprinted(sender) or not self._nixl_notices:
             # NIXL reports the name its sender declares: a name with a key's fingerprint belongs to
             # a daemon that sends its notices on the side channel, where the key is checked
-            # (identity.py). One riding a READ under such a name is someone else's, posing.
+            # (identity.py). One riding a READ under such a name is someone else's, posing; where
+            # only attributed requests count, so is one under any name.
             self._recorder.notification_received("unauthorized")
             return False
         return self._notified(sender, n)
@@ -411,10 +418,7 @@ class Holds:
         """A hold ended: an audit or a claim that names it now is refused, not told to wait for it."""
         key = held.key
         del self._held[key]
-        rank = key[:2]
-        self._per_rank[rank] -= 1
-        if not self._per_rank[rank]:
-            del self._per_rank[rank]
+        self._quota.give(held.engine)
         self._recorder.hold_ended(outcome)
         before = self._ended.pop(key, None)  # to the end of the line: it ended last
         # held again after it ended without being sent: it stays "ended" (blocks may have been reused)

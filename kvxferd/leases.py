@@ -68,66 +68,74 @@ SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
 # Requests engines said they will read, and the claims those make (one per prefill rank: up to
-# 4,096 each). Each engine rank has its own quota, beyond which its own oldest are dropped; the
-# daemon's bound, once many ranks reach it, refuses a new expectation (its read still claims).
+# 4,096 each). Each engine rank has its own quota, and each uid (max_expects_per_uid), beyond
+# which its own oldest are dropped; the daemon's bound, once many reach theirs, refuses a new
+# expectation (its read still claims).
 MAX_EXPECTS_PER_RANK, MAX_EXPECT_CLAIMS_PER_RANK = 4096, 1 << 16
 MAX_EXPECTS, MAX_EXPECT_CLAIMS = 1 << 16, 1 << 20
 
 
 class Expectations:
-    """What engines said they will read (`Leases.expect`), in arrival order, by engine rank:
-    one rank's announcements never push out another's."""
+    """What engines said they will read (`Leases.expect`), in arrival order, by engine rank and
+    by uid: one rank's or one user's announcements never push out another's."""
 
-    def __init__(self) -> None:
-        self._all: dict[ExpectKey, tuple[list[ClaimKey], float]] = {}  # in arrival order
+    def __init__(self, max_per_uid: int = 1 << 14) -> None:
+        self._all: dict[ExpectKey, tuple[list[ClaimKey], float, int | None]] = {}  # in arrival order
         self._by_rank: dict[tuple[str, int], dict[ExpectKey, int]] = {}  # rank -> its keys (claims each)
+        self._by_uid: dict[int, dict[ExpectKey, None]] = {}  # uid -> its keys, in arrival order
+        self._max_per_uid = max_per_uid
         self._claims = 0
-        self._refused: list[list[ClaimKey]] = []
-
-    def take_refused(self) -> list[list[ClaimKey]]:
-        """What a refused `add` pushed out before finding no room."""
-        dropped, self._refused = self._refused, []
-        return dropped
 
     def __contains__(self, key: ExpectKey) -> bool:
         return key in self._all
 
-    def add(self, key: ExpectKey, keys: list[ClaimKey], now: float) -> list[list[ClaimKey]] | None:
-        """Keep `key`; returns the claims of the rank's own expectations it pushed out, or None
-        when the daemon's bound leaves no room (nothing kept)."""
+    def add(self, key: ExpectKey, keys: list[ClaimKey], now: float,
+            uid: int | None = None) -> tuple[bool, list[list[ClaimKey]]]:
+        """Keep `key` (False when the daemon's bound leaves no room: nothing kept), and the claims
+        of the rank's or uid's own expectations it pushed out to make room (to release either way)."""
         rank = key[:2]
         mine = self._by_rank.get(rank, {})
+        users = self._by_uid.get(uid, {}) if uid is not None else {}
         dropped = []
-        # its own quota, and the daemon's bound when many ranks reach it: room from its own oldest
+        while users and len(users) >= self._max_per_uid:  # the user's own quota, across its ranks
+            dropped.append(self.pop(next(iter(users))) or [])
+        # the rank's own quota, and the daemon's bound when many ranks reach it: room from its own oldest
         while mine and (len(mine) >= MAX_EXPECTS_PER_RANK
                         or sum(mine.values()) + len(keys) > MAX_EXPECT_CLAIMS_PER_RANK
                         or len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS):
             dropped.append(self.pop(next(iter(mine))) or [])
         if len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS:
-            self._refused = dropped  # what it gave up is released all the same (`Leases.expect`)
-            return None
-        self._all[key] = (keys, now)
+            return False, dropped
+        self._all[key] = (keys, now, uid)
         self._by_rank.setdefault(rank, {})[key] = len(keys)
+        if uid is not None:
+            self._by_uid.setdefault(uid, {})[key] = None
         self._claims += len(keys)
-        return dropped
+        return True, dropped
 
     def pop(self, key: ExpectKey) -> list[ClaimKey] | None:
         entry = self._all.pop(key, None)
         if entry is None:
             return None
+        keys, _, uid = entry
         mine = self._by_rank[key[:2]]
         del mine[key]
         if not mine:
             del self._by_rank[key[:2]]
-        self._claims -= len(entry[0])
-        return entry[0]
+        if uid is not None:
+            users = self._by_uid[uid]
+            del users[key]
+            if not users:
+                del self._by_uid[uid]
+        self._claims -= len(keys)
+        return keys
 
     def of_rank(self, rank: tuple[str, int]) -> list[ExpectKey]:
         return list(self._by_rank.get(rank, ()))
 
     def older_than(self, since: float) -> Iterator[ExpectKey]:
         """The expectations made before `since`, oldest first (stop iterating to stop looking)."""
-        for key, (_, at) in self._all.items():
+        for key, (_, at, _) in self._all.items():
             if at > since:
                 return
             yield key
@@ -190,7 +198,8 @@ def ungranted(granted: list[np.ndarray], remote: Sequence[np.ndarray]) -> list[l
 
 class Leases:
     def __init__(self, links: Links, recorder: Recorder, requester: str, extend_s: float, renew: bool,
-                 timeout_s: float, confirm: bool = True, max_expect_s: float = 600.0) -> None:
+                 timeout_s: float, confirm: bool = True, max_expect_s: float = 600.0,
+                 max_expects_per_uid: int = 1 << 14) -> None:
         self._links = links
         self._recorder = recorder
         self._requester = requester  # our NIXL agent: the name our notifications arrive under
@@ -207,7 +216,7 @@ class Leases:
         self._tasks: set[asyncio.Task[None]] = set()  # unpins under way
         self._unapplied: dict[asyncio.Future[hs.LeaseReply], _Asked] = {}  # claim requests out, by reply
         self._seq = itertools.count(1)
-        self._expects = Expectations()
+        self._expects = Expectations(max_expects_per_uid)
         self._renewals: list[tuple[float, ClaimKey]] = []  # heap: when a claim should be asked again
         self._warned = Throttle(WARN_S)  # a refusal, by peer
 
@@ -268,26 +277,24 @@ class Leases:
                 c.notified, c.notified_at = True, time.monotonic()
                 c.until = min(c.until, c.notified_at)
 
-    def expect(self, er: tuple[str, int], request_id: str, ref: P.RemoteRef) -> None:
-        """An engine will read `ref` for its request: keep the prefill's holds (all its ranks)
-        alive until the read ends, the request is released, or max_lease_s passes."""
+    def expect(self, er: tuple[str, int], request_id: str, ref: P.RemoteRef, uid: int | None = None) -> None:
+        """An engine rank (of `uid`) will read `ref` for its request: keep the prefill's holds (all
+        its ranks) alive until the read ends, the request is released, or max_lease_s passes."""
         if not self._renew:
             return
         key = (er[0], er[1], request_id)
         if key in self._expects:
             return
         keys = claim_keys(ref, range(ref.tp_size))
-        dropped = self._expects.add(key, keys, time.monotonic())
-        if dropped is None:
-            for keys_dropped in self._expects.take_refused():
-                self.release(keys_dropped)
+        kept, dropped = self._expects.add(key, keys, time.monotonic(), uid)
+        for keys_dropped in dropped:  # what made room is let go, kept or not
+            self.release(keys_dropped)
+        if not kept:
             if self._warned.due("expects"):
                 log.warning("expectations at the daemon's bound (%d, or %d claims): engine %s rank %d's not kept "
                             "(its read still claims; logged at most every %g s)", MAX_EXPECTS, MAX_EXPECT_CLAIMS,
                             er[0], er[1], WARN_S)
             return
-        for keys_dropped in dropped:
-            self.release(keys_dropped)
         self.acquire(keys)
         self._recorder.read_expected()
 

@@ -87,11 +87,6 @@ class SelfPeer:
     any_uid: bool = False  # an engine may read one registered by another uid (same_node_uids = "any")
 
 
-def _uid(er: EngineRank) -> int | None:
-    """The uid that registered `er` (None: the daemon itself)."""
-    return er.conn.credentials[1] if er.conn is not None else None
-
-
 def over_budget(plan: RankPlan, max_descriptors: int) -> str:
     """Why a plan takes more descriptors than a route may (in Python ints: no wrap), or "".
 
@@ -480,13 +475,13 @@ class Peers:
         sources = {s.tp_rank: s for s in self._self.ranks(peer.engine_id) if s.epoch == peer.epoch}
         if missing := [r for r in wanted if r not in sources]:
             raise PlanError(f"engine {peer.engine_id} ranks {missing} are no longer registered with this daemon")
-        reader = _uid(er)
-        others = {u for r in wanted if (u := _uid(sources[r])) is not None and u != reader}
+        reader = er.uid
+        others = {u for r in wanted if (u := sources[r].uid) is not None and u != reader}
         if not self._self.any_uid and reader is not None and others:
             # the daemon maps both: nothing but this rule keeps one user's engine from copying
             # another's KV (across daemons, the side channel's keys decide)
             raise PlanError(f"engine {peer.engine_id} is registered by another user (uid {min(others)}) than engine "
-                            f"{er.engine_id} (uid {_uid(er)}): reads between users of one daemon are refused "
+                            f"{er.engine_id} (uid {er.uid}): reads between users of one daemon are refused "
                             "(same_node_uids = \"any\" allows them)")
         host = all(m.kind == "DRAM" for e in (er, *(sources[r] for r in wanted)) for m in e.mappings)
         if not host or self._self.host_lane == "loop":  # NIXL's own loopback: it reads what it registered

@@ -77,6 +77,7 @@ from .plan.geometry import GeometryError
 from .plan.planner import PlanError
 from .postings import AgentRead, Posting
 from .protocol import RequestError
+from .quotas import Quota
 from .reading import ROWS_ON_LOOP, Builder, Reading, estimate
 from .reading import build as build_reading
 from .recorder import FailureKind, Recorder
@@ -358,7 +359,7 @@ class Reads:
     def __init__(self, nixl: NixlDriver, peers: Peers, recorder: Recorder, max_deadline_s: float,
                  lanes: Lanes, on_posted: Callable[[], None] = lambda: None, integrity_audit: bool = False,
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
-                 max_per_rank: int = 4096, leases: Leases | None = None,
+                 max_per_rank: int = 4096, max_per_uid: int = 1 << 15, leases: Leases | None = None,
                  pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None,
                  copier: Copier | None = None, builder: Builder | None = None) -> None:
         self._copier = copier or Copier(1)  # same-node reads of host memory (copier.py)
@@ -367,8 +368,8 @@ class Reads:
         self._notices = notices  # None: notifications ride on the READs, as to a daemon before notices
         self._pausing = pausing  # the loop is waking from a pause not counted yet (see the module's doc)
         self._digester = digester or integrity.Digester()
-        self._max_per_rank = max_per_rank
-        self._per_rank: dict[tuple[str, int], int] = {}  # reads in flight or quarantined, by engine rank
+        # reads in flight or quarantined (NIXL still writes their memory), by engine rank and uid
+        self._quota = Quota("reads in flight", max_per_rank, "max_reads_per_engine", max_per_uid, "max_reads_per_uid")
         self._nixl = nixl
         self._allowed = [ipaddress.ip_network(cidr) for cidr in allowed_peers]  # empty: any address
         self._refusals: dict[str, str] = {}  # side-channel host -> why it may not be dialed ("": it may)
@@ -405,10 +406,7 @@ class Reads:
             if (ordered[1:] == ordered[:-1]).any():
                 raise RequestError("bad_request", f"remote block ids of group {g} name block "
                                                   f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice")
-        reads = self._per_rank.get((er.engine_id, er.tp_rank), 0) + also_new
-        if reads >= self._max_per_rank:  # quarantined ones count: NIXL still writes their memory
-            raise RequestError("bad_request", f"engine {er.engine_id!r} rank {er.tp_rank} has {reads} reads "
-                                              f"in flight (max_reads_per_engine {self._max_per_rank})")
+        self._quota.check(er, also_new)
 
     def start(self, er: EngineRank, msg: P.Read, received_at: float) -> None:
         """Accept a read; it ends as a completion. Posts at once when the route is known."""
@@ -425,7 +423,7 @@ class Reads:
         key = er.engine_id, er.tp_rank  # no property: this is the hot path
         if self._leases is not None:
             t.claims = self._leases.take_expect(key, msg.request_id)  # the engine announced it
-        self._per_rank[key] = self._per_rank.get(key, 0) + 1
+        self._quota.take(er)
         ref = msg.remote
         keys = self._keys  # Peers.key_of, inline: the hot path
         server = "" if keys is None else ref.daemon_key or keys.at(ref.host, ref.port)
@@ -698,10 +696,7 @@ class Reads:
 
     def _gone(self, t: Transfer) -> None:
         """Neither in flight nor quarantined: it no longer counts against its rank."""
-        key = t.engine.engine_id, t.engine.tp_rank
-        self._per_rank[key] -= 1
-        if not self._per_rank[key]:
-            del self._per_rank[key]
+        self._quota.give(t.engine)
 
     def fail_engine(self, er: EngineRank, why: str) -> None:
         for t in [t for t in self._in_flight.values() if t.engine is er]:

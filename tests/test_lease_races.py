@@ -602,3 +602,25 @@ def test_a_claim_made_again_after_a_failed_read_lets_its_pin_go_at_its_end():
         holds.expire(time.monotonic())
         assert er.done == [("r1", "expired")], "the pin outlived both reads"
     asyncio.run(main())
+
+
+def test_expectations_past_a_uid_s_quota_push_out_that_uid_s_own_oldest_across_its_ranks():
+    """A uid announcing reads from many engine ranks (each under its own rank quota) drops its
+    own oldest past max_expects_per_uid, never another uid's, whose claims stay acquired."""
+    async def main() -> None:
+        class Link:
+            async def ask(self, req, timeout_s):
+                await asyncio.sleep(3600)
+        leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0,
+                        max_expects_per_uid=3)
+        def ref(i):
+            return P.RemoteRef("p", "10.0.0.1", 5600, 1, f"q{i}")
+        leases.expect(("victim", 0), "v-1", ref(99), uid=2000)
+        for i in range(6):  # six ranks of uid 1000, one expectation each
+            leases.expect((f"e{i}", 0), f"r{i}", ref(i), uid=1000)
+        assert leases.take_expect(("victim", 0), "v-1") == leases_mod.claim_keys(ref(99), range(1))
+        kept = [i for i in range(6) if leases.take_expect((f"e{i}", 0), f"r{i}")]
+        assert kept == [3, 4, 5]  # the uid's three newest
+        for t in list(leases._tasks):
+            t.cancel()
+    asyncio.run(main())

@@ -121,11 +121,11 @@ def test_a_large_hold_is_digested_off_the_daemon_s_loop(tmp_path):
         daemon.stop()
 
 
-def _daemon_with(tmp_path, **env: str) -> DaemonProcess:
+def _daemon_with(tmp_path, socket: str | None = None, **env: str) -> DaemonProcess:
     """A daemon started with these settings in its environment (KVXFERD_<KEY>)."""
     os.environ.update(env)
     try:
-        return DaemonProcess(tmp_path, "daemon")
+        return DaemonProcess(tmp_path, "daemon", socket=socket)
     finally:
         for key in env:
             del os.environ[key]
@@ -187,6 +187,83 @@ def test_buffers_per_uid_are_capped_across_ranks(tmp_path):
                 assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= before  # the fds sent: closed
             with EngineClient(daemon.socket, "e2", 0, 1) as e2:
                 e2.register(one, shm_fds=[fd])  # the third buffer: room for it
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
+
+
+def test_holds_and_reads_are_capped_per_uid_across_its_engines_never_another_s(tmp_path):
+    """One uid opening engine ids and connections without end would take every hold, read and
+    expectation the daemon has room for: past max_holds_per_uid / max_reads_per_uid a new one of
+    that uid is refused, naming the setting, on any of its connections; another uid's are still
+    served (expectations: test_lease_races)."""
+    import shutil
+    import tempfile
+
+    from test_exhaustion import _answer_as
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to run an engine as another user")
+    run = tempfile.mkdtemp(prefix="kvx-quota-")
+    os.chmod(run, 0o755)
+    daemon = _daemon_with(tmp_path, f"{run}/run/kvxferd.sock", KVXFERD_MAX_HOLDS_PER_UID="3",
+                          KVXFERD_MAX_READS_PER_UID="2", KVXFERD_ALLOWED_UIDS="0,65534")
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    slow = P.RemoteRef("slow", "192.0.2.1", 5600, 1, "x")  # TEST-NET: the handshake waits its timeout
+    try:
+        os.chmod(daemon.socket, 0o666)
+        os.chmod(os.path.dirname(daemon.socket), 0o755)
+        mine = [EngineClient(daemon.socket, f"e{i}", 0, 1) for i in range(3)]  # three connections, one uid
+        for e in mine:
+            e.register(geo, shm_fds=[fd])
+        mine[0].hold("h0", 30.0, [[0]])
+        mine[1].hold("h1", 30.0, [[1]])
+        mine[2].hold("h2", 30.0, [[2]])
+        mine[2].hold("h2", 30.0, [[2]])  # a renewal is no new hold
+        with pytest.raises(DaemonError) as refused:
+            mine[1].hold("h3", 30.0, [[3]])
+        assert refused.value.code == "bad_request" and "max_holds_per_uid 3" in str(refused.value)
+        mine[0].read("r0", slow, 8, [[4]], [[4]], 30.0)
+        mine[1].read("r1", slow, 8, [[5]], [[5]], 30.0)
+        with pytest.raises(DaemonError) as refused:
+            mine[2].read("r2", slow, 8, [[6]], [[6]], 30.0)
+        assert "max_reads_per_uid 2" in str(refused.value)
+
+        def other_user() -> str:
+            other_fd, _mapping = create_shm(geo.buffers[0])
+            with EngineClient(daemon.socket, "other", 0, 1) as c:
+                c.register(geo, shm_fds=[other_fd])
+                c.hold("theirs", 30.0, [[0]])
+                c.read("theirs-read", slow, 8, [[1]], [[1]], 30.0)
+                return f"held {[h.request for h in c.status().held if h.engine == 'other']}"
+        assert _answer_as(65534, 65534, other_user) == "held ['theirs']"
+        for e in mine:
+            e.close()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_open_holds_are_refused_where_the_operator_says_so(tmp_path):
+    """`open_holds = false`: a hold without a read_token (which any reader naming the request
+    could read) is refused, naming the setting; one with a token is kept."""
+    from kvxferd.client import new_read_token
+
+    daemon = _daemon_with(tmp_path, KVXFERD_OPEN_HOLDS="false")
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "e0", 0, 1) as e:
+            e.register(geo, shm_fds=[fd])
+            with pytest.raises(DaemonError) as refused:
+                e.hold("open", 30.0, [[0]])
+            assert refused.value.code == "bad_request" and "open_holds = false" in str(refused.value)
+            e.hold("capability", 30.0, [[1]], read_token=new_read_token())
+            assert [h.request for h in e.status().held] == ["capability"]
     finally:
         os.close(fd)
         mm.close()
