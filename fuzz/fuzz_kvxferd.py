@@ -117,6 +117,8 @@ def fuzz_identity(data: bytes) -> None:
     requester, _, sender = data.decode("utf-8", "replace").partition("\0")
     allowed = idn.speaks_for(requester, sender)
     assert allowed == (not idn.fingerprinted(requester) or requester.endswith("-" + idn.fingerprint(sender)))
+    strict = idn.speaks_for(requester, sender, unattributed=False)  # a keyed daemon's default
+    assert strict == (idn.fingerprinted(requester) and requester.endswith("-" + idn.fingerprint(sender)))
     assert len(metadata_agent(data)) <= 4096
     try:
         remote = msgspec.msgpack.decode(data, type=P.RemoteRef)

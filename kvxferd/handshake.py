@@ -42,7 +42,7 @@ import zmq.asyncio
 from msgspec import Meta
 
 from . import protocol as P
-from .identity import CurveKeys, PeerKeys, speaks_for
+from .identity import CurveKeys, PeerKeys, fingerprinted, speaks_for
 from .plan.geometry import Geometry, Segment
 from .protocol import DECODE_ERRORS, Name, Rank, TpSize
 
@@ -359,7 +359,8 @@ class HandshakeServer:
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, answer: Answer,
                  keys: PeerKeys | None = None,
-                 on_misattributed: Callable[[SideRequest, str], None] | None = None) -> None:
+                 on_misattributed: Callable[[SideRequest, str], None] | None = None,
+                 unattributed: bool = False) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_AUDIT_ROWS * 16 + 4096)  # audits name their rows
@@ -374,6 +375,7 @@ class HandshakeServer:
             self.sock.curve_publickey = keys.curve.public
             self.sock.curve_server = True
         self._on_misattributed = on_misattributed or (lambda req, sender: None)
+        self._unattributed = unattributed  # requester names without a key's fingerprint are answered
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -430,13 +432,17 @@ class HandshakeServer:
 
     def _attributed(self, req: SideRequest, sender: str) -> SideReply | Awaitable[SideReply] | None:
         """`req` answered if its requester is the sender's (identity.py), else refused: a claim or
-        a handshake in another daemon's name is told so, a notice is dropped (and reported)."""
-        requester = getattr(req, "requester", "")
-        if speaks_for(requester, sender):
+        a handshake in another daemon's name, or in a name without a key's fingerprint, is told
+        so; a notice is dropped (and reported). Probes and audits name nobody: answered."""
+        requester = getattr(req, "requester", None)
+        if requester is None or speaks_for(requester, sender, self._unattributed):
             return self.answer(req)
         self._on_misattributed(req, sender)
         reason = (f"requester {printable(requester[:80])} is not the agent of the key this request came with "
-                  f"({sender}): a daemon speaks only for itself")
+                  f"({sender}): a daemon speaks only for itself" if fingerprinted(requester) else
+                  f"requester {printable(requester[:80])} names no daemon key's fingerprint (a daemon before "
+                  "protocol 12): this daemon answers only requests it can attribute to their key "
+                  "(unattributed_peers = false)")
         if isinstance(req, LeaseRequest):
             return LeaseReply(False, reason, req.seq)
         if isinstance(req, HandshakeRequest):

@@ -15,7 +15,8 @@ shared pair). A peer is known by its public key, never by a name it writes:
                agent name ends with its key's fingerprint (`-k` and 32 hex digits), and a
                message's `requester` with a fingerprint speaks only for that key (speaks_for):
                a peer pins, unpins and notifies only under its own name. A name without one is a
-               daemon's from before fingerprints: unattributed, as every name is without Curve.
+               daemon's from before fingerprints: refused, unless the operator accepts such
+               unattributed names while a cluster upgrades (`unattributed_peers`).
 
 With one shared keypair every daemon has the same fingerprint: any of them may speak for any
 other (docs/security.md says what that gives up).
@@ -57,11 +58,14 @@ def fingerprinted(agent: str) -> bool:
     return _FINGERPRINTED.fullmatch(agent) is not None
 
 
-def speaks_for(requester: str, sender: str) -> bool:
+def speaks_for(requester: str, sender: str, unattributed: bool = True) -> bool:
     """`requester` (an agent name a message carries) may be `sender`'s (its Z85 public key, as ZAP
-    authenticated it): a name with a fingerprint only the key it was made from."""
+    authenticated it): a name with a fingerprint only the key it was made from; one without (a
+    daemon's from before fingerprints) only where `unattributed` names are accepted."""
     named = _FINGERPRINTED.fullmatch(requester)
-    return named is None or hmac.compare_digest(named.group(1), fingerprint(sender))
+    if named is None:
+        return unattributed
+    return hmac.compare_digest(named.group(1), fingerprint(sender))
 
 
 class KeyRefused(ValueError):

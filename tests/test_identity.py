@@ -171,6 +171,9 @@ def test_speaks_for_binds_fingerprinted_names_to_their_key():
     assert not speaks_for(f"kvxferd-12-abcdef-{other}", a)
     assert speaks_for("kvxferd-12-abcdef", b)  # a daemon's from before fingerprints: unattributed
     assert speaks_for("", b)
+    assert not speaks_for("kvxferd-12-abcdef", b, unattributed=False)  # ... refused where none are accepted
+    assert not speaks_for("", b, unattributed=False)
+    assert speaks_for(name, a, unattributed=False)
 
 
 def test_a_read_naming_another_authorized_key_fails_alone(nodes):
@@ -228,3 +231,35 @@ def test_metadata_names_its_agent():
     assert metadata_agent(agent.get_agent_metadata()) == "kvxferd-7-ab-k" + "0" * 32
     assert metadata_agent(b"nixlSerDes|Agent" + (1 << 40).to_bytes(8, "little") + b"x") == ""
     assert metadata_agent(b"something else") == ""
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+def test_a_requester_name_without_a_fingerprint_is_refused_unless_the_operator_accepts_them(nodes, accepted):
+    """A name without a key's fingerprint (a daemon's from before protocol 12) could be posed as
+    by any authorized peer. A keyed daemon refuses such requests by default, counted
+    `misattributed`, and counts no NIXL notification at all; `unattributed_peers = true` (an
+    upgrade under way) answers them."""
+    import os
+
+    os.environ["KVXFERD_UNATTRIBUTED_PEERS"] = "true" if accepted else "false"
+    try:
+        prefill = start(nodes, "p")
+    finally:
+        del os.environ["KVXFERD_UNATTRIBUTED_PEERS"]
+    with Cluster(SHAPE, 1, 1, daemons=[prefill, start(nodes, "d")]) as c:
+        c.transfer(0, TOKENS)  # the honest pair is attributed either way
+        legacy = "kvxferd-1-00"
+        blocks = c.prefill.prefill(1, TOKENS, 30.0, read_token=c.read_token(1))
+        claim = hs.LeaseRequest(hs.GRANT_VERSION, 3, legacy, 0.0, [hs.Claimed("prefill", 0, "req-1", c.read_token(1))])
+        handshake, lease = asyncio.run(_as_attacker(nodes, c, [
+            hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", legacy), claim]))
+        assert isinstance(handshake, hs.HandshakeReply) and isinstance(lease, hs.LeaseReply)
+        if accepted:
+            assert handshake.ok and lease.ok, (handshake.reason, lease.reason)
+            assert c.status(0).counters.misattributed == 0
+        else:
+            assert not handshake.ok and "names no daemon key's fingerprint" in handshake.reason
+            assert not lease.ok and "unattributed_peers" in lease.reason
+            assert c.status(0).counters.misattributed == 2
+        assert c.decode.decode(1, TOKENS, c.remote(1), blocks, 0, 5.0, c.p_shape)["status"] == "received"
+        assert c.prefill.wait_released(1, 5) == ["sent"]
