@@ -69,6 +69,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Whose engines may read each other on this daemon: "same" uid only, or "any" (the daemon
     # maps both engines' memory: across users, only this keeps one from copying the other's KV).
     same_node_uids: Literal["same", "any"] = "same"
+    # Reads of GPU memory from a peer slower than this (GB/s, a moving average of reads of 1 MiB
+    # and more) mark its route slow: one warning, `kvxferd status`, a metric (rates.py). A device
+    # transport moves tens to hundreds; UCX's TCP or its emulation about 0.5. 0: never judged.
+    slow_route_gbps: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     ucx: dict[str, str] = {}  # UCX_* environment for the NIXL agent, e.g. {"UCX_TLS": "tcp,cma"}
     curve_secret_key_file: str = ""  # CurveZMQ on the side channel: this daemon's keypair (secret file)
     curve_authorized_keys_dir: str = ""  # public keys of peers allowed to handshake

@@ -51,6 +51,7 @@ from .ownside import OwnSide
 from .pace import SPIN, Pace, Wake
 from .peers import Peers, SelfPeer
 from .protocol import RequestError
+from .rates import Rates
 from .reading import Builder
 from .reads import Reads
 from .recorder import Recorder, RpcOutcome
@@ -126,7 +127,8 @@ class Daemon:
                            cfg.integrity_audit, cfg.allowed_peers, self.digester,
                            max_per_rank=cfg.max_reads_per_engine, max_per_uid=cfg.max_reads_per_uid,
                            leases=self.leases, pausing=lambda now: self.stall.behind(now, HOUSEKEEPING_S),
-                           notices=self.notices, copier=self.copier, builder=self.builder)
+                           notices=self.notices, copier=self.copier, builder=self.builder,
+                           rates=Rates(self.recorder, cfg.slow_route_gbps))
         self.liveness = Liveness(self.peers, self.recorder, cfg.peer_probe_interval_s, cfg.peer_dead_after_s,
                                  cfg.peer_idle_ttl_s, self.reads.uses_peer)
         self.hs_server = hs.HandshakeServer(self.zmq, cfg.side_channel_host, cfg.side_channel_port,
@@ -584,7 +586,8 @@ class Daemon:
         now = time.monotonic()
         cfg = self.cfg
         rows = P.STATUS_ROWS
-        engines, peers = self.engines.status(self.reads.uses_engine), self.peers.status(self.reads.uses_peer)
+        engines = self.engines.status(self.reads.uses_engine)
+        peers = self.peers.status(self.reads.uses_peer, self.reads.rates)
         in_flight, held = self.reads.status(now, rows), self.holds.status(now, rows)
         return P.Status(
             version=__version__, agent=self.nixl.name, uptime_s=time.time() - self.started,

@@ -100,6 +100,9 @@ class Metrics:
                            "lists kept while reads use them)", ["state"], registry=r)
         self.peers_retired = Counter("kvxferd_peers_retired", "Peers retired, by reason (posting_failed, silent, "
                                      "engine_gone, restarted, idle)", ["reason"], registry=r)
+        self.peer_rate = Gauge("kvxferd_peer_read_rate_bytes_per_second", "Moving average of reads of 1 MiB and "
+                               "more from each peer, by the memory moved (VRAM, DRAM): rates.py",
+                               ["peer", "memory"], registry=r)
         self.peer_probes = Counter("kvxferd_peer_probes", "Liveness probes of peers, by outcome (alive, "
                                    "epoch_unknown, engine_gone, restarted, no_answer)", ["outcome"], registry=r)
         self.remote_agents = Gauge("kvxferd_nixl_remote_agents", "NIXL remote agents the daemon's agent has "

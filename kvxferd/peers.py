@@ -61,6 +61,7 @@ from .ownside import OwnSide
 from .plan.descriptors import local_descs, region_addresses, remote_descs
 from .plan.geometry import validate
 from .plan.planner import PlanError, RankPlan, plan_rank, targets
+from .rates import Rates
 from .reading import MIN_ROW_BYTES, Builder, rows_per_block
 from .recorder import PeerState, Recorder, RetireReason
 
@@ -583,12 +584,18 @@ class Peers:
         self._recorder.peers_now(handshaking, len(live) - handshaking, len(self._retired_peers),
                                  len(self._nixl.remote_agents))
 
-    def status(self, active: Callable[[Peer], int]) -> list[P.PeerStatus]:
+    def status(self, active: Callable[[Peer], int], rates: Rates | None = None) -> list[P.PeerStatus]:
         """Live peers (handshaking, ready), then retired ones whose lists reads still use."""
         wall, now = time.time(), time.monotonic()
-        return [P.PeerStatus(p.engine_id, p.address, p.agent, wall - p.since if p.since else None,
-                             p.handshake_s, sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks),
-                             active(p), p.state, p.reason or "", p.epoch, now - p.heard if p.heard else None,
-                             now - p.used if p.used else None,
-                             sorted({r.lane for r in [*self.routes.values(), *self._retired] if r.peer is p}))
-                for p in [*self._peers.values(), *self._retired_peers]]
+        out = []
+        for p in [*self._peers.values(), *self._retired_peers]:
+            rate = rates.of(p) if rates is not None else None
+            out.append(P.PeerStatus(
+                p.engine_id, p.address, p.agent, wall - p.since if p.since else None,
+                p.handshake_s, sum(1 for r in self.routes.values() if r.peer is p), sorted(p.ranks),
+                active(p), p.state, p.reason or "", p.epoch, now - p.heard if p.heard else None,
+                now - p.used if p.used else None,
+                sorted({r.lane for r in [*self.routes.values(), *self._retired] if r.peer is p}),
+                read_gbps=rate.bytes_per_s / 1e9 if rate is not None else None,
+                slow=rate is not None and rate.slow))
+        return out

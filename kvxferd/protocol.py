@@ -315,6 +315,10 @@ class PeerStatus(msgspec.Struct):
     # who moves its routes' bytes (peers.py): "nixl" (its daemon's agent, over UCX); for an
     # engine of this daemon itself, "copy" (this daemon's memcpy) or "loop" (NIXL's loopback)
     lanes: list[str] = []
+    # moving average of its reads of 1 MiB and more (None: none yet); slow: GPU memory moved far
+    # below a device transport (rates.py, slow_route_gbps)
+    read_gbps: float | None = None
+    slow: bool = False
 
 
 class ReadStatus(msgspec.Struct):

@@ -78,6 +78,7 @@ from .plan.planner import PlanError
 from .postings import AgentRead, Posting
 from .protocol import RequestError
 from .quotas import Quota
+from .rates import Rates
 from .reading import ROWS_ON_LOOP, Builder, Reading, estimate
 from .reading import build as build_reading
 from .recorder import FailureKind, Recorder
@@ -361,7 +362,8 @@ class Reads:
                  allowed_peers: Sequence[str] = (), digester: integrity.Digester | None = None,
                  max_per_rank: int = 4096, max_per_uid: int = 1 << 15, leases: Leases | None = None,
                  pausing: Callable[[float], bool] = lambda now: False, notices: Notices | None = None,
-                 copier: Copier | None = None, builder: Builder | None = None) -> None:
+                 copier: Copier | None = None, builder: Builder | None = None, rates: Rates | None = None) -> None:
+        self.rates = rates or Rates(recorder, 0.0)  # each peer's read rate (rates.py)
         self._copier = copier or Copier(1)  # same-node reads of host memory (copier.py)
         self._builder = builder or Builder()  # large reads' arrays, off the loop (reading.py)
         self._leases = leases
@@ -894,6 +896,9 @@ class Reads:
             if t.nbytes >= 1 << 20 and took > 0:
                 # NIXL's own timing, not when we noticed: a late poll must not slow the estimate
                 self._rate = 0.7 * self._rate + 0.3 * (t.nbytes / took)
+                if t.route is not None:
+                    peer = t.route.peer
+                    self.rates.observe(peer, t.peer_label, peer.address, t.engine.mem_type, t.nbytes, took)
             t.release_all()
             if t.audit:
                 self._spawn(t, self._audit(t))

@@ -172,6 +172,9 @@ class Recorder:
         self._rpc_to_completion.append(since_rpc_s)
         self._reads.append((time.time(), nbytes))
 
+    def peer_rate(self, peer: str, memory: str, bytes_per_s: float) -> None:
+        self.metrics.peer_rate.labels(self._peer(peer), memory).set(bytes_per_s)
+
     def read_failed(self, peer: str, lane: str, kind: FailureKind, seconds: float, failure: P.FailureRecord) -> None:
         self.counters.failed += 1
         self.metrics.transfers.labels(self._peer(peer), lane, "failed").inc()

@@ -65,7 +65,8 @@ def render(st: Status) -> str:
     lines += _table(st.peers, [("engine", "ENGINE"), ("address", "ADDRESS"), ("agent", "AGENT"),
                                ("state", "STATE"), ("retired", "WHY"), ("handshake_age_s", "AGE s"),
                                ("heard_s", "HEARD s"), ("idle_s", "IDLE s"), ("plans", "PLANS"),
-                               ("ranks", "RANKS"), ("lanes", "LANE"), ("active", "ACTIVE")])
+                               ("ranks", "RANKS"), ("lanes", "LANE"), ("active", "ACTIVE"),
+                               ("read_gbps", "GB/s"), ("slow", "SLOW")])
     lines += _more(len(st.peers), t.peers)
     lines += ["", "in flight"]
     lines += _table(st.in_flight, [("engine", "ENGINE"), ("rank", "RANK"), ("request", "REQUEST"),
