@@ -328,6 +328,10 @@ def seeds(target: str) -> list[bytes]:
             P.Read("e", 0, "r", ref, 40, [[1, 2]], [[3, 4]], 5.0, True),
             P.Read("e", 0, "r", ref, 40, [P.pack_blocks([1, 2])], [P.pack_blocks([3, 4]), [5]], 5.0),
             P.Batch([P.Hold("e", 0, "r", 5.0, [[1]])]), P.Poll("e", 0, 1.0, 16), P.StatusQuery(),
+            P.Expect("e", 0, "r", ref),
+            P.Batch([P.Expect("e", 0, "r", ref), P.Read("e", 0, "r", ref, 40, [[1]], [[3]], 5.0)]),
+            P.Read("e", 0, "r", msgspec.structs.replace(ref, daemon_key="rq[:4ikL5ecO=*C@}2uN8#sBzt(}A.T4+/X7{%Fa"), 40,
+                   [[1]], [[3]], 5.0),
             P.Attach("e", 0, "ab" * 16))]
     if target == "side_channel":
         return [enc(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "d")),

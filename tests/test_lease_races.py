@@ -16,6 +16,8 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxferd import handshake as hs
 from kvxferd import leases as leases_mod
@@ -624,3 +626,30 @@ def test_expectations_past_a_uid_s_quota_push_out_that_uid_s_own_oldest_across_i
         for t in list(leases._tasks):
             t.cancel()
     asyncio.run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 2), st.integers(1, 3)), max_size=80))
+def test_expectations_keep_every_quota_and_never_drop_another_uid_s(ops):
+    """Any sequence of adds (rank, uid, claims) and pops: each uid's count within its quota, the
+    claims counted exactly, and an add drops only expectations of its own rank or uid."""
+    exp = leases_mod.Expectations(max_per_uid=3)
+    alive: dict[tuple[str, int, str], tuple[int, int]] = {}  # key -> (uid, claims)
+    for n, (add, rank, uid, claims) in enumerate(ops):
+        if add or not alive:
+            key = (f"e{rank}", 0, f"r{n}")
+            keys = [("h", 1, "p", i, key[2], "", "") for i in range(claims)]
+            kept, dropped = exp.add(key, keys, float(n), uid)
+            gone = [k for k in alive if k not in exp]
+            assert len(gone) == len(dropped)
+            assert all(k[0] == key[0] or alive[k][0] == uid for k in gone)  # its own rank's or uid's
+            for k in gone:
+                del alive[k]
+            if kept:
+                alive[key] = (uid, claims)
+        else:
+            key = next(iter(alive))
+            assert len(exp.pop(key) or []) == alive.pop(key)[1]
+        for u in range(3):
+            assert sum(1 for v in alive.values() if v[0] == u) <= 3
+        assert exp._claims == sum(c for _, c in alive.values())
