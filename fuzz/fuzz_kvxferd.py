@@ -85,8 +85,8 @@ def fuzz_request(data: bytes) -> None:
 
 
 def fuzz_side_channel(data: bytes) -> None:
-    for decoder in (hs._req_decoder, hs._reply_decoder, hs._audit_reply_decoder, hs._probe_reply_decoder,
-                    hs.lease_reply_decoder):
+    for decoder in (hs._req_decoder, hs._reply_decoder, hs._arriving_decoder, hs._audit_reply_decoder,
+                    hs._probe_reply_decoder, hs.lease_reply_decoder):
         try:
             decoder.decode(data)
         except DECODE_ERRORS:
@@ -336,7 +336,8 @@ def seeds(target: str) -> list[bytes]:
     if target == "side_channel":
         return [enc(hs.HandshakeRequest(hs.HANDSHAKE_VERSION, "prefill", "d")),
                 enc(hs.AuditRequest(hs.HANDSHAKE_VERSION, "prefill", 0, "r", np.arange(4, dtype="<i8").tobytes())),
-                enc(hs.HandshakeReply(True, agent="a", metadata=b"m", ranks=[hs.RankInfo(0, 1, "h", geo, [4096])])),
+                enc(hs.HandshakeReply(True, agent="a", metadata=b"m",
+                                      ranks=[hs.RankInfo(0, 1, "h", [4096], geometry=geo)])),
                 enc(hs.AuditReply(True, digests=b"\0" * 16, reused=[[1]])),
                 enc(hs.ProbeRequest(hs.HANDSHAKE_VERSION, "prefill")), enc(hs.ProbeReply(True, epoch="e")),
                 enc(hs.Notification("prefill", 0, "r", 2)), enc(hs.Notification("prefill", 0, "r", 2, "ab" * 16)),

@@ -120,8 +120,8 @@ class EngineRank:
 
     def rank_info(self) -> hs.RankInfo:
         """What a peer's handshake learns about this rank."""
-        return hs.RankInfo(self.tp_rank, self.tp_size, self.compat_hash, self.geometry,
-                           [m.address for m in self.mappings], self.mem_type, self.device)
+        return hs.RankInfo(self.tp_rank, self.tp_size, self.compat_hash, [m.address for m in self.mappings],
+                           self.mem_type, self.device, geometry=self.geometry)
 
 
 class Engines:

@@ -129,14 +129,27 @@ class ProbeReply(msgspec.Struct):
     gone: bool = False
 
 
-class RankInfo(msgspec.Struct):
+class _RankFields(msgspec.Struct):
     tp_rank: Rank
     tp_size: TpSize
     compat_hash: str
-    geometry: Geometry
     buffer_addrs: list[Annotated[int, Meta(ge=0)]]
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
     device: Annotated[int, Meta(ge=0, le=1023)] = 0
+
+
+class RankInfo(_RankFields, kw_only=True):
+    geometry: Geometry
+
+
+# One rank's geometry as it arrives, at most MAX_GEOMETRY_BYTES encoded (a 128-layer model's is
+# ~50 KiB): decoded on its own, one rank a loop turn, so that a peer's reply of many ranks or a
+# bloated geometry never holds the daemon's loop (a 55 MiB geometry took 0.7 s in one decode).
+MAX_GEOMETRY_BYTES = 1 << 20
+
+
+class _ArrivingRank(_RankFields, kw_only=True):
+    geometry: msgspec.Raw
 
 
 class HandshakeReply(msgspec.Struct):
@@ -162,6 +175,10 @@ class HandshakeReply(msgspec.Struct):
     @property
     def all_metadata(self) -> tuple[bytes, ...]:
         return (self.metadata, *self.more_metadata) if self.metadata else tuple(self.more_metadata)
+
+
+class _ArrivingReply(HandshakeReply):
+    ranks: list[_ArrivingRank] = []  # type: ignore[assignment]
 
 
 class Notification(msgspec.Struct, array_like=True, tag="KVX1", gc=False):
@@ -285,6 +302,8 @@ def decode_notification(data: bytes) -> Notification | None:
 _req_decoder = msgspec.msgpack.Decoder(HandshakeRequest | AuditRequest | ProbeRequest | LeaseRequest | NoticeRequest
                                        | ServeRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_arriving_decoder = msgspec.msgpack.Decoder(_ArrivingReply)
+_geometry_decoder = msgspec.msgpack.Decoder(Geometry)
 _audit_reply_decoder = msgspec.msgpack.Decoder(AuditReply)
 _probe_reply_decoder = msgspec.msgpack.Decoder(ProbeReply)
 lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply)
@@ -475,11 +494,29 @@ class HandshakeServer:
 async def request(ctx: zmq.asyncio.Context, host: str, port: int, engine_id: str, timeout_s: float,
                   requester: str = "", curve: CurveKeys | None = None) -> HandshakeReply:
     """Ask the daemon at host:port for engine_id's ranks; raise HandshakeError on any failure."""
-    reply = await _ask(ctx, host, port, HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester), timeout_s,
-                       _reply_decoder, curve)
-    if not reply.ok:
-        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {printable(reply.reason)}")
-    return reply
+    arriving: _ArrivingReply = await _ask(ctx, host, port, HandshakeRequest(HANDSHAKE_VERSION, engine_id, requester),
+                                          timeout_s, _arriving_decoder, curve)
+    if not arriving.ok:
+        raise HandshakeError("refused", f"{host}:{port} refused the handshake: {printable(arriving.reason)}")
+    return await _decoded(arriving, f"{host}:{port}")
+
+
+async def _decoded(arriving: _ArrivingReply, where: str) -> HandshakeReply:
+    """The reply with each rank's geometry decoded, one a loop turn, each bounded first."""
+    for r in arriving.ranks:
+        if len(r.geometry) > MAX_GEOMETRY_BYTES:
+            raise HandshakeError("malformed", f"malformed answer from {where}: rank {r.tp_rank}'s geometry is "
+                                              f"{len(r.geometry)} B encoded, more than {MAX_GEOMETRY_BYTES} B")
+    ranks = []
+    for r in arriving.ranks:
+        try:
+            geometry = _geometry_decoder.decode(r.geometry)
+        except DECODE_ERRORS as exc:
+            raise HandshakeError("malformed", f"malformed answer from {where}: rank {r.tp_rank}'s geometry: "
+                                              f"{exc}") from None
+        ranks.append(RankInfo(**{**msgspec.structs.asdict(r), "geometry": geometry}))
+        await asyncio.sleep(0)
+    return HandshakeReply(**{**msgspec.structs.asdict(arriving), "ranks": ranks})
 
 
 async def audit(ctx: zmq.asyncio.Context, host: str, port: int, req: AuditRequest, timeout_s: float,
