@@ -186,7 +186,35 @@ def isolate(stage: Path) -> None:
     sh("mount", "-t", "overlay", "overlay", "-o", f"lowerdir=/etc,upperdir={stage}/upper,workdir={stage}/work", "/etc")
     sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/run")
     sh("ip", "link", "set", "lo", "up")
-    _make_reachable({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT})
+    _make_reachable(_TREES)
+
+
+# what the pod's processes run: this Python (a virtual environment's and the one it was made from)
+# and the repository (the editable install's code)
+_TREES = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT}
+
+
+def _mount_over(path: Path, *mount: str) -> None:
+    """Run `mount` (a volume at `path`) without hiding the trees under it (a checkout in /tmp under
+    the chart's /tmp emptyDir): each is held aside and moved back inside the volume."""
+    holds = _hold([t for t in _TREES if path == t or path in t.parents])
+    sh(*mount)
+    _put_back(holds)
+
+
+def _hold(trees: list[Path]) -> list[tuple[Path, Path]]:
+    holds = []
+    for tree in trees:
+        hold = Path(tempfile.mkdtemp(dir="/run"))
+        sh("mount", "--bind", str(tree), str(hold))
+        holds.append((hold, tree))
+    return holds
+
+
+def _put_back(holds: list[tuple[Path, Path]]) -> None:
+    for hold, tree in holds:
+        tree.mkdir(parents=True, exist_ok=True)
+        sh("mount", "--move", str(hold), str(tree))
 
 
 def _make_reachable(trees: set[Path]) -> None:
@@ -202,15 +230,9 @@ def _make_reachable(trees: set[Path]) -> None:
         if closed is not None:
             by_closed.setdefault(closed, []).append(tree)
     for closed, held in by_closed.items():
-        holds = []
-        for tree in held:
-            hold = Path(tempfile.mkdtemp(dir="/run"))
-            sh("mount", "--bind", str(tree), str(hold))
-            holds.append((hold, tree))
+        holds = _hold(held)
         sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(closed))
-        for hold, tree in holds:
-            tree.mkdir(parents=True)
-            sh("mount", "--move", str(hold), str(tree))
+        _put_back(holds)
 
 
 def setup(spec: dict[str, Any]) -> None:
@@ -224,8 +246,8 @@ def setup(spec: dict[str, Any]) -> None:
         path = Path(m["path"])
         path.mkdir(parents=True, exist_ok=True)
         if m.get("tmpfs"):  # an emptyDir: a volume of its own, mounted
-            sh("mount", "-t", "tmpfs", "-o", f"mode={m['mode']},uid={m.get('uid', 0)},gid={m.get('gid', 0)}",
-               "tmpfs", str(path))
+            _mount_over(path, "mount", "-t", "tmpfs", "-o", f"mode={m['mode']},uid={m.get('uid', 0)},"
+                        f"gid={m.get('gid', 0)}", "tmpfs", str(path))
         else:
             os.chown(path, m.get("uid", 0), m.get("gid", 0))
             os.chmod(path, int(m["mode"], 8))
