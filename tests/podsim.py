@@ -326,16 +326,17 @@ async def handshake(h: dict[str, Any]) -> dict[str, Any]:
     import zmq.auth
 
     from kvxferd import handshake as hs
-    from kvxferd.identity import CurveKeys
+    from kvxferd.identity import CurveKeys, fingerprint
 
-    curve = None
+    curve, requester = None, "podsim"
     if h.get("secret"):
         public, secret = zmq.auth.load_certificate(h["secret"])
         server = zmq.auth.load_certificate(h["server_key"])[0] if h.get("server_key") else public
         curve = CurveKeys(public, secret, server, os.path.dirname(h["secret"]))
+        requester = f"podsim-{fingerprint(public)}"  # a keyed daemon answers only names it can attribute
     ctx = zmq.asyncio.Context()
     try:
-        reply = await hs.request(ctx, h["host"], h["port"], h["engine"], h.get("timeout", 2.0), "podsim", curve)
+        reply = await hs.request(ctx, h["host"], h["port"], h["engine"], h.get("timeout", 2.0), requester, curve)
         return {"ok": True, "ranks": len(reply.ranks)}
     except hs.HandshakeError as exc:
         return {"ok": False, "reason": exc.reason, "error": str(exc)}
