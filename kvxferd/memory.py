@@ -4,7 +4,10 @@ Host memory: the engine allocates a memfd, the file descriptor travels over the 
 socket (SCM_RIGHTS), the daemon maps the same pages MAP_SHARED. GPU memory: the engine
 allocates with CUDA VMM (`cuMemCreate`), exports a POSIX fd that travels the same way, and the
 daemon imports and maps it (a legacy CUDA IPC handle can be opened, but NIXL's UCX backend
-refuses to register what it maps). The engine keeps owning its memory in both cases.
+refuses to register what it maps). The engine keeps owning its memory in both cases. VMM
+allocations ask for GPUDirect RDMA where the device has it, and the daemon keeps the driver's
+word on each mapping (`Mapping.rdma_capable`): without it READs from other hosts cannot go over
+RDMA, and UCX says nothing when it falls back.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 MemType = Literal["DRAM", "VRAM"]  # NIXL's names
+
+log = logging.getLogger("kvxferd")
 
 
 class MappingError(RuntimeError):
@@ -84,6 +90,9 @@ class Mapping:
     device: int
     _keep: object  # the mmap or the CUDA storage that keeps the mapping alive
     fd: int = -1  # a host memfd's, kept to see whether its engine punched a hole since (`sparse`)
+    # A VMM import's CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: whether a NIC may read it
+    # directly (READs from other hosts over RDMA). None: host memory, or the driver did not say.
+    rdma_capable: bool | None = None
 
     def sparse(self) -> str:
         """Why the engine's memfd now lacks pages ("": it has them all, or it is not a memfd)."""
@@ -243,20 +252,52 @@ def _context(device: int) -> None:
     _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+@functools.cache
+def _rdma_with_vmm(device: int) -> bool:
+    """Whether `device` lets VMM allocations be read by a NIC directly (GPUDirect RDMA), asked once
+    per device: an allocation asking for it where the device cannot is refused by cuMemCreate, and a
+    driver (or bindings) too old to know the attribute answers an error, taken as no."""
+    cu = _cu()
+    err, dev = cu.cuDeviceGet(device)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return False
+    try:
+        attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    except AttributeError:
+        return False
+    err, value = cu.cuDeviceGetAttribute(attribute, dev)
+    return err == cu.CUresult.CUDA_SUCCESS and bool(value)
+
+
 def _prop(device: int) -> Any:  # a CUmemAllocationProp
+    """What engines allocate: pinned device memory exportable as a POSIX fd, and GPUDirect RDMA
+    capable where the device allows it. Without that flag UCX (1.22 and later) cannot export the
+    memory as dma-buf, skips its RDMA transports for it and moves READs from other hosts by
+    software emulation (docs/deploy.md, GPU hosts)."""
     cu = _cu()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device
     prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if _rdma_with_vmm(device):
+        prop.allocFlags.gpuDirectRDMACapable = 1
     return prop
+
+
+def _granularity(prop: Any) -> int:
+    cu = _cu()
+    return int(_check(cu.cuMemGetAllocationGranularity(
+        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
 
 
 def _map(handle: Any, nbytes: int, device: int) -> int:
     cu = _cu()
-    gran = _check(cu.cuMemGetAllocationGranularity(
-        _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
+    # The allocation's own properties, not the ones this process would allocate with: an engine of
+    # another build (or one on a device answering otherwise) may have asked for other flags, and
+    # the address range must be aligned to what its allocation needs.
+    prop = _check(cu.cuMemGetAllocationPropertiesFromHandle(handle), "cuMemGetAllocationPropertiesFromHandle")
+    gran = _granularity(prop)
     # Each step that succeeds queues its undo: a later failure (an engine can declare a size its
     # allocation does not have) gives back the address range, not leaks it for the daemon's life.
     with contextlib.ExitStack() as undo:
@@ -275,11 +316,9 @@ def _map(handle: Any, nbytes: int, device: int) -> int:
 
 def vmm_size(nbytes: int, device: int = 0) -> int:
     """`nbytes` rounded up to the allocation granularity (VMM sizes must be multiples of it)."""
-    cu = _cu()
     _context(device)
-    gran = _check(cu.cuMemGetAllocationGranularity(
-        _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity")
-    return -(-nbytes // int(gran)) * int(gran)
+    gran = _granularity(_prop(device))
+    return -(-nbytes // gran) * gran
 
 
 class VmmBuffer:
@@ -288,7 +327,9 @@ class VmmBuffer:
     def __init__(self, nbytes: int, device: int = 0) -> None:
         cu = _cu()
         self.nbytes, self.device = vmm_size(nbytes, device), device
-        self.handle = _check(cu.cuMemCreate(self.nbytes, _prop(device), 0), "cuMemCreate")
+        prop = _prop(device)
+        self.gpu_direct_rdma = bool(prop.allocFlags.gpuDirectRDMACapable)  # asked for; see `_prop`
+        self.handle = _check(cu.cuMemCreate(self.nbytes, prop, 0), "cuMemCreate")
         try:
             self.address = _map(self.handle, self.nbytes, device)
         except BaseException:
@@ -327,7 +368,9 @@ class _VmmKeep:
 
 
 def map_cuda_vmm(fd: int, nbytes: int, device: int) -> Mapping:
-    """Daemon side: import an engine's VMM allocation from its fd and map it here."""
+    """Daemon side: import an engine's VMM allocation from its fd and map it here, at an address
+    range of its own: each allocation is NIXL-registered on its own (engines.py), and the driver's
+    answers on it (GPUDirect RDMA among them) are per allocation."""
     cu = _cu()
     try:
         _context(device)
@@ -341,4 +384,44 @@ def map_cuda_vmm(fd: int, nbytes: int, device: int) -> Mapping:
             raise
     finally:
         os.close(fd)
-    return Mapping("VRAM", address, nbytes, device, _VmmKeep(address, nbytes, handle))
+    rdma = _rdma_capable(address)
+    _tell_rdma(device, rdma)
+    return Mapping("VRAM", address, nbytes, device, _VmmKeep(address, nbytes, handle), rdma_capable=rdma)
+
+
+def _rdma_capable(address: int) -> bool | None:
+    """The driver's word on whether a NIC may read this mapping directly (None: it did not say).
+    Only shown, never a refusal: READs work without it, by UCX's emulation, so bindings that
+    cannot ask (an unknown attribute raises there) do not fail a registration either."""
+    cu = _cu()
+    try:
+        err, value = cu.cuPointerGetAttribute(
+            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, address)
+    except Exception as exc:
+        log.debug("cannot ask whether VRAM at %#x is GPUDirect RDMA capable: %s", address, exc)
+        return None
+    return bool(value) if err == cu.CUresult.CUDA_SUCCESS else None
+
+
+_rdma_told: set[tuple[int, bool | None]] = set()
+
+
+def _tell_rdma(device: int, rdma: bool | None) -> None:
+    """Log, once per device and answer, whether engines' VRAM can go over RDMA: UCX falls back to
+    its emulation for memory it cannot register for RDMA without a word, so the cliff (READs from
+    other hosts at TCP speed, not the NIC's) is named here."""
+    if (device, rdma) in _rdma_told:
+        return
+    _rdma_told.add((device, rdma))
+    if rdma:
+        log.info("GPU %d: engine VRAM is GPUDirect RDMA capable: READs from other hosts can go over UCX's RDMA "
+                 "transports (where UCX can export it as dma-buf)", device)
+        return
+    if rdma is None:
+        why, level = "the driver did not say", logging.INFO
+    elif _rdma_with_vmm(device):  # the engine could have asked for it: worth an operator's look
+        why, level = "allocated without gpuDirectRDMACapable", logging.WARNING
+    else:
+        why, level = "this GPU does not report GPUDirect RDMA with CUDA VMM", logging.INFO
+    log.log(level, "GPU %d: engine VRAM is not GPUDirect RDMA capable (%s): READs of it from other hosts go "
+            "through UCX's software emulation, at TCP speed, not over RDMA (docs/deploy.md, GPU hosts)", device, why)

@@ -9,6 +9,7 @@ Two ways to share VRAM with the daemon:
             say so clearly and keep serving.
 """
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,28 @@ from kvxferd.plan.models import PRESETS
 
 pytestmark = pytest.mark.gpu
 replace = msgspec.structs.replace
+
+
+@functools.cache
+def _no_gpu() -> str:
+    """Why no test here can run on this machine ("" where a CUDA device answers)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuInit: {err.name}"
+        err, count = cu.cuDeviceGetCount()
+        return "" if err == cu.CUresult.CUDA_SUCCESS and count > 0 else "no CUDA device"
+    except Exception as exc:  # no bindings, no driver library
+        return f"no CUDA driver here ({type(exc).__name__})"
+
+
+@pytest.fixture(autouse=True)
+def _needs_gpu():
+    """Selected with `-m gpu` on a machine without one: skipped, each saying why, not failed."""
+    if why := _no_gpu():
+        pytest.skip(why)
 
 
 @pytest.mark.parametrize("model,p_tp,d_tp", [("dense", 2, 4), ("dense", 4, 2), ("mla", 2, 1), ("mamba2", 2, 4)])
@@ -104,8 +127,37 @@ fd, nbytes, used = (int(a) for a in sys.argv[1:])
 m = map_cuda_vmm(fd, nbytes, 0)
 out = np.empty(used, dtype=np.uint8)
 _check(_cu().cuMemcpyDtoH(out, m.address, used), "cuMemcpyDtoH")
-print(hashlib.sha256(out).hexdigest())
+print(hashlib.sha256(out).hexdigest(), m.rdma_capable)
 """
+
+
+def test_vmm_memory_is_gpudirect_rdma_capable_where_the_device_offers_it():
+    """Engines ask for GPUDirect RDMA where the device reports it for VMM memory (without it UCX
+    cannot register the memory for RDMA and moves READs from other hosts by emulation), and the
+    daemon's import of the fd, in another process, reads the driver's answer on its own mapping."""
+    import os
+    import subprocess
+    import sys
+
+    from kvxferd.memory import VmmBuffer, _check, _cu
+
+    cu = _cu()
+    vmm = VmmBuffer(1 << 21)
+    dev = _check(cu.cuDeviceGet(0), "cuDeviceGet")
+    offered = bool(_check(cu.cuDeviceGetAttribute(
+        cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev), "attribute"))
+    assert vmm.gpu_direct_rdma is offered
+    prop = _check(cu.cuMemGetAllocationPropertiesFromHandle(vmm.handle), "properties")
+    assert bool(prop.allocFlags.gpuDirectRDMACapable) is offered
+    fd = vmm.export()
+    try:
+        seen = subprocess.run([sys.executable, "-c", READ_VMM, str(fd), str(vmm.nbytes), "64"], pass_fds=[fd],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(fd)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split()[-1] == str(offered)  # the daemon's Mapping.rdma_capable
+    vmm.close()
 
 
 def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps(monkeypatch):
@@ -155,7 +207,8 @@ def test_connector_moves_cuda_caches_into_vmm_memory_another_process_maps(monkey
     seen = subprocess.run([sys.executable, "-c", READ_VMM, str(buf.fd), str(buf.nbytes), str(used)],
                           pass_fds=[buf.fd], capture_output=True, text=True, timeout=120)
     assert seen.returncode == 0, seen.stderr
-    assert seen.stdout.strip() == hashlib.sha256(expected.tobytes()).hexdigest()
+    assert seen.stdout.split()[0] == hashlib.sha256(expected.tobytes()).hexdigest()
+    assert seen.stdout.split()[1] == str(buf.keep[0].gpu_direct_rdma)  # GPUDirect RDMA where the device has it
     buf.close()
 
 

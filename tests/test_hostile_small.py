@@ -271,11 +271,16 @@ class FakeDriver:
     driver calls are recorded (what is held: imported/created handles, address reservations,
     mappings) and the one named in `fail_at` returns an error, as the real driver would."""
 
-    def __init__(self, fail_at: str = "") -> None:
+    def __init__(self, fail_at: str = "", rdma_with_vmm: int = 1, rdma_pointer: int | None = None) -> None:
+        """`rdma_with_vmm`: the device's GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED; `rdma_pointer`: what
+        IS_GPU_DIRECT_RDMA_CAPABLE answers for a mapping (None: the allocation's own flag)."""
         self.fail_at, self.calls = fail_at, []
+        self.rdma_with_vmm, self.rdma_pointer = rdma_with_vmm, rdma_pointer
+        self.created: list[SimpleNamespace] = []  # the props cuMemCreate was given
+        self.granularity_of: list[SimpleNamespace] = []  # the props granularity was asked for
         self.handles: set[int] = set()
         self.reserved: set[int] = set()
-        self.mapped: set[int] = set()
+        self.mapped: dict[int, int] = {}  # address -> the handle mapped there
         self._next = 0x1000
         ok, err = SimpleNamespace(name="CUDA_SUCCESS"), SimpleNamespace(name="CUDA_ERROR_INVALID_VALUE")
         self.CUresult = SimpleNamespace(CUDA_SUCCESS=ok)
@@ -285,10 +290,13 @@ class FakeDriver:
         self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
         self.CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
         self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+        self.CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=110)
+        self.CUpointer_attribute = SimpleNamespace(CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE=15)
+        self.props: dict[int, SimpleNamespace] = {}  # handle -> its allocation's properties
 
     @staticmethod
     def CUmemAllocationProp():  # the driver's names
-        return SimpleNamespace(location=SimpleNamespace())
+        return SimpleNamespace(location=SimpleNamespace(), allocFlags=SimpleNamespace(gpuDirectRDMACapable=0))
 
     @staticmethod
     def CUmemAccessDesc():
@@ -297,7 +305,7 @@ class FakeDriver:
     def _step(self, name: str, *result: object) -> tuple:
         self.calls.append(name)
         if name == self.fail_at:
-            return (self._err,)
+            return (self._err, *(None for _ in result))  # as the bindings: every output there, None
         return (self.CUresult.CUDA_SUCCESS, *result)
 
     def _new(self) -> int:
@@ -317,24 +325,42 @@ class FakeDriver:
         return self._step("cuCtxSetCurrent")
 
     def cuMemGetAllocationGranularity(self, prop, flags):
+        self.granularity_of.append(prop)
         return self._step("cuMemGetAllocationGranularity", 2 << 20)
+
+    def cuDeviceGetAttribute(self, attribute, dev):
+        assert attribute == 110
+        return self._step("cuDeviceGetAttribute", self.rdma_with_vmm)
+
+    def cuPointerGetAttribute(self, attribute, ptr):
+        assert attribute == 15 and ptr in self.mapped
+        flag = self.props[self.mapped[ptr]].allocFlags.gpuDirectRDMACapable
+        return self._step("cuPointerGetAttribute", flag if self.rdma_pointer is None else self.rdma_pointer)
 
     def cuMemImportFromShareableHandle(self, fd, kind):
         os.fstat(fd)  # the fd is still open when imported
         result = self._step("cuMemImportFromShareableHandle", self._new())
-        if len(result) == 2:
+        if result[0] is self.CUresult.CUDA_SUCCESS:
             self.handles.add(result[1])
+            # An engine that asked for GPUDirect RDMA (another build's prop, not this process's)
+            self.props[result[1]] = SimpleNamespace(allocFlags=SimpleNamespace(gpuDirectRDMACapable=1), imported=True)
         return result
 
     def cuMemCreate(self, size, prop, flags):
+        self.created.append(prop)
         result = self._step("cuMemCreate", self._new())
-        if len(result) == 2:
+        if result[0] is self.CUresult.CUDA_SUCCESS:
             self.handles.add(result[1])
+            self.props[result[1]] = prop
         return result
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):
+        assert handle in self.handles
+        return self._step("cuMemGetAllocationPropertiesFromHandle", self.props[handle])
 
     def cuMemAddressReserve(self, size, align, addr, flags):
         result = self._step("cuMemAddressReserve", self._new())
-        if len(result) == 2:
+        if result[0] is self.CUresult.CUDA_SUCCESS:
             self.reserved.add(result[1])
         return result
 
@@ -342,7 +368,7 @@ class FakeDriver:
         assert ptr in self.reserved and handle in self.handles
         result = self._step("cuMemMap")
         if len(result) == 1 and result[0] is self.CUresult.CUDA_SUCCESS:
-            self.mapped.add(ptr)
+            self.mapped[ptr] = handle
         return result
 
     def cuMemSetAccess(self, ptr, size, descs, count):
@@ -351,7 +377,7 @@ class FakeDriver:
 
     def cuMemUnmap(self, ptr, size):
         assert ptr in self.mapped, "unmapping what is not mapped"
-        self.mapped.discard(ptr)
+        del self.mapped[ptr]
         return (self.CUresult.CUDA_SUCCESS,)
 
     def cuMemAddressFree(self, ptr, size):
@@ -365,11 +391,22 @@ class FakeDriver:
         return (self.CUresult.CUDA_SUCCESS,)
 
     def held(self) -> tuple[set[int], set[int], set[int]]:
-        return self.handles, self.reserved, self.mapped
+        return self.handles, self.reserved, set(self.mapped)
 
 
-STEPS = ["cuMemImportFromShareableHandle", "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemMap",
-         "cuMemSetAccess"]
+@pytest.fixture(autouse=True)
+def _fresh_rdma_answers():
+    """memory.py asks each device about GPUDirect RDMA once and logs each answer once: each test's
+    fake driver answers anew."""
+    memory._rdma_with_vmm.cache_clear()
+    memory._rdma_told.clear()
+    yield
+    memory._rdma_with_vmm.cache_clear()
+    memory._rdma_told.clear()
+
+
+STEPS = ["cuMemImportFromShareableHandle", "cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationGranularity",
+         "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"]
 
 
 @pytest.mark.parametrize("fail_at", STEPS)
@@ -394,10 +431,80 @@ def test_map_cuda_vmm_success_then_close_releases(monkeypatch):
     assert cu.held() == (set(), set(), set())
 
 
-@pytest.mark.parametrize("fail_at", ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
+@pytest.mark.parametrize("fail_at", ["cuMemGetAllocationPropertiesFromHandle", "cuMemAddressReserve", "cuMemMap",
+                                     "cuMemSetAccess"])
 def test_vmm_buffer_releases_its_allocation_on_failure(monkeypatch, fail_at):
     cu = FakeDriver(fail_at)
     monkeypatch.setattr(memory, "_cu", lambda: cu)
     with pytest.raises(MappingError, match=fail_at):
         memory.VmmBuffer(1 << 20)
     assert cu.held() == (set(), set(), set()), cu.calls
+
+
+@pytest.mark.parametrize("supported", [1, 0])
+def test_vmm_buffer_asks_for_gpudirect_rdma_where_the_device_has_it(monkeypatch, supported):
+    """Without gpuDirectRDMACapable UCX cannot export the memory as dma-buf and moves READs from
+    other hosts by emulation; asking for it where the device lacks it would fail cuMemCreate."""
+    cu = FakeDriver(rdma_with_vmm=supported)
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    buffers = [memory.VmmBuffer(1 << 20), memory.VmmBuffer(3 << 20)]
+    assert [p.allocFlags.gpuDirectRDMACapable for p in cu.created] == [supported] * 2
+    assert [b.gpu_direct_rdma for b in buffers] == [bool(supported)] * 2
+    assert cu.calls.count("cuDeviceGetAttribute") == 1  # asked once per device
+    # The size is rounded with the prop it is allocated with, the mapping aligned with the allocation's own
+    assert all(p.allocFlags.gpuDirectRDMACapable == supported for p in cu.granularity_of)
+    for b in buffers:
+        b.close()
+    assert cu.held() == (set(), set(), set())
+
+
+def test_device_attribute_refused_means_no_rdma_flag(monkeypatch):
+    cu = FakeDriver("cuDeviceGetAttribute")  # a driver that does not know the attribute
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    memory.VmmBuffer(1 << 20).close()
+    assert cu.created[0].allocFlags.gpuDirectRDMACapable == 0
+
+
+@pytest.mark.parametrize("pointer,expected", [(None, True), (0, False), (1, True)])
+def test_map_cuda_vmm_keeps_the_drivers_rdma_answer_and_aligns_to_the_allocations_own_props(
+        monkeypatch, caplog, pointer, expected):
+    cu = FakeDriver(rdma_with_vmm=0, rdma_pointer=pointer)  # this process's device would not ask for it
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    with caplog.at_level(logging.INFO, "kvxferd"):
+        first = memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0)
+        second = memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0)
+    assert first.rdma_capable is second.rdma_capable is expected
+    assert [getattr(p, "imported", False) for p in cu.granularity_of] == [True, True]  # the engine's prop
+    told = [r for r in caplog.records if "GPUDirect RDMA" in r.getMessage()]
+    assert len(told) == 1  # once per device and answer
+    assert ("is GPUDirect RDMA capable" in told[0].getMessage()) is expected
+    if not expected:
+        assert "software emulation" in told[0].getMessage()
+        assert "does not report GPUDirect RDMA with CUDA VMM" in told[0].getMessage()
+    first.close()
+    second.close()
+    assert cu.held() == (set(), set(), set())
+
+
+def test_an_rdma_answer_the_driver_refuses_is_unknown_not_a_failure(monkeypatch, caplog):
+    cu = FakeDriver("cuPointerGetAttribute")
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    with caplog.at_level(logging.INFO, "kvxferd"):
+        mapping = memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0)
+    assert mapping.rdma_capable is None
+    assert any("the driver did not say" in r.getMessage() for r in caplog.records)
+    mapping.close()
+    fd, mm = create_shm(4096)
+    host = memory.map_shm(fd, 4096)
+    assert host.rdma_capable is None  # host memory: no such question
+    host.close()
+    mm.close()
+
+
+def test_allocated_without_the_flag_on_a_device_that_has_it_is_a_warning(monkeypatch, caplog):
+    cu = FakeDriver(rdma_with_vmm=1, rdma_pointer=0)
+    monkeypatch.setattr(memory, "_cu", lambda: cu)
+    with caplog.at_level(logging.INFO, "kvxferd"):
+        memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0).close()
+    (told,) = [r for r in caplog.records if "GPUDirect RDMA" in r.getMessage()]
+    assert told.levelno == logging.WARNING and "allocated without gpuDirectRDMACapable" in told.getMessage()

@@ -7,6 +7,8 @@ shape and strides) at a shareable allocation holding the same bytes:
 
     CPU:  memfd (MAP_SHARED)             --fd over SCM_RIGHTS--> daemon mmaps the same pages
     GPU:  CUDA VMM, POSIX-fd handle      --fd over SCM_RIGHTS--> daemon imports and maps it
+          (GPUDirect RDMA capable where the device has it: `memory.VmmBuffer`, so READs from
+          other hosts can go over RDMA, not UCX's emulation)
 
 The private buffer is given back before the shareable one is allocated (vLLM sizes the cache
 to the free memory: two would not fit), its bytes kept on the host meanwhile; where something
@@ -115,8 +117,12 @@ def _replace(st: Any, views: list[Any]) -> SharedBuffer:
         torch.cuda.synchronize(device)  # the bytes are in place before the daemon is told of them
     for t in views:
         t.set_(buf.keep[-1], t.storage_offset(), t.size(), t.stride())
-    log.info("KV cache buffer of %d B moved to %s (%d views re-pointed%s)", buf.nbytes, buf.kind, len(views),
-             ", its private buffer given back first" if release else "")
+    rdma = ""
+    if buf.kind == "cuda_vmm":  # keep[0] is its VmmBuffer
+        rdma = ", GPUDirect RDMA capable" if buf.keep[0].gpu_direct_rdma else \
+            ", not GPUDirect RDMA capable (this GPU does not offer it for VMM memory)"
+    log.info("KV cache buffer of %d B moved to %s (%d views re-pointed%s%s)", buf.nbytes, buf.kind, len(views),
+             ", its private buffer given back first" if release else "", rdma)
     return buf
 
 
