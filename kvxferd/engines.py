@@ -286,4 +286,10 @@ class Engines:
     def status(self, pinned: Callable[[EngineRank], int]) -> list[P.EngineStatus]:
         return [P.EngineStatus(e.engine_id, e.tp_rank, e.tp_size, e.geometry.model, e.nbytes,
                                e.mappings[0].kind if e.mappings else "-", "closing" if e.closing else "serving",
-                               pinned(e), len(e.completions)) for e in self.all()]
+                               pinned(e), len(e.completions), _rdma(e.mappings)) for e in self.all()]
+
+
+def _rdma(mappings: list[Mapping]) -> bool | None:
+    """All of a rank's buffers readable by a NIC directly (False: one is not); None: not asked."""
+    answers = [m.rdma_capable for m in mappings]
+    return None if not answers or None in answers else all(answers)

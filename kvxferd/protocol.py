@@ -295,6 +295,9 @@ class EngineStatus(msgspec.Struct):
     state: Literal["serving", "closing"]
     pinned: int  # reads (in flight or quarantined) that may still touch this memory
     pending_completions: int
+    # GPU memory: whether the driver says a NIC may read every buffer directly (GPUDirect RDMA,
+    # READs from other hosts); None: host memory, or the driver did not say (memory.py)
+    rdma: bool | None = None
 
 
 class PeerStatus(msgspec.Struct):

@@ -57,7 +57,7 @@ def render(st: Status) -> str:
              f"{_us(lat.rpc_to_post)}, request -> completion {_us(lat.rpc_to_completion)}, "
              f"NIXL post call {_us(lat.nixl_post)}", "", "engines"]
     lines += _table(st.engines, [("engine", "ENGINE"), ("rank", "RANK"), ("tp_size", "TP"), ("memory", "MEM"),
-                                 ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED")])
+                                 ("bytes", "BYTES"), ("state", "STATE"), ("pinned", "PINNED"), ("rdma", "RDMA")])
     t = st.totals
     lines += _more(len(st.engines), t.engines)
     lines += ["", f"peers ({c.peers_retired} retired so far; NIXL remote agents loaded: {t.remote_agents}, "

@@ -508,3 +508,14 @@ def test_allocated_without_the_flag_on_a_device_that_has_it_is_a_warning(monkeyp
         memory.map_cuda_vmm(os.open(os.devnull, os.O_RDONLY), 2 << 20, 0).close()
     (told,) = [r for r in caplog.records if "GPUDirect RDMA" in r.getMessage()]
     assert told.levelno == logging.WARNING and "allocated without gpuDirectRDMACapable" in told.getMessage()
+
+
+def test_status_says_rdma_only_when_the_driver_said_it_of_every_buffer():
+    from types import SimpleNamespace
+
+    from kvxferd.engines import _rdma
+
+    def of(*answers):
+        return _rdma([SimpleNamespace(rdma_capable=a) for a in answers])
+    assert of() is None and of(None) is None and of(True, None) is None  # host memory, or not asked
+    assert of(True, True) is True and of(True, False) is False
