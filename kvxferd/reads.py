@@ -73,7 +73,7 @@ from .plan.descriptors import (
     request_reads,
     row_blocks,
 )
-from .plan.geometry import GeometryError
+from .plan.geometry import Geometry, GeometryError
 from .plan.planner import PlanError
 from .postings import AgentRead, Posting
 from .protocol import RequestError
@@ -341,6 +341,16 @@ class _AuditRefused(Exception):
     """The prefill daemon could not vouch for the bytes (not held, no digests, bad rows)."""
 
 
+def by_local_group(granted: list[np.ndarray], remote: Geometry, local: Geometry) -> list[np.ndarray]:
+    """A grant (per cache group, in the prefill's group order) in the reader's group order: the
+    planner pairs groups by name, so must the check (a reader listing its groups in another
+    order would otherwise name one group's granted ids for another's blocks). A group the
+    prefill does not have is granted nothing."""
+    where = {g.name: i for i, g in enumerate(remote.groups)}
+    nothing = np.empty(0, dtype=np.int64)
+    return [granted[i] if (i := where.get(g.name, len(granted))) < len(granted) else nothing for g in local.groups]
+
+
 def _outside(host: str, allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
     """Why `host` is outside the allowed networks; "" when one holds it."""
     listed = ", ".join(map(str, allowed))
@@ -519,7 +529,7 @@ class Reads:
                 self._spawn(t, self._post_when_granted(t, route))
                 return
             self._check_route(t, route, grants)
-            if not self._admitted(t, grants):
+            if not self._admitted(t, route, grants):
                 return
             if early:
                 self._leases.flush()
@@ -543,14 +553,15 @@ class Reads:
             del t.claims[len(t.claims) - len(t.read_claims):]  # appended last, after the expectation's
             t.read_claims = []
 
-    def _admitted(self, t: Transfer, grants: list[list[np.ndarray]] | Refusal) -> bool:
+    def _admitted(self, t: Transfer, route: Route, grants: list[list[np.ndarray]] | Refusal) -> bool:
         """A READ touches only blocks the hold grants (docs/security.md): else the read fails
         before a byte moves, naming the blocks it may not read."""
         if isinstance(grants, Refusal):
             self._fail(t, "transfer" if grants.kind == "stale" else grants.kind, grants.reason)
             return False
         for rank, granted in zip(t.read_ranks, grants):
-            outside = ungranted(granted, t.blocks.remote)
+            outside = ungranted(by_local_group(granted, route.peer.ranks[rank].geometry, t.engine.geometry),
+                                t.blocks.remote)
             if any(outside):
                 ref = t.msg.remote
                 self._fail(t, "forbidden", f"prefill rank {rank} of {ref.engine_id} does not grant blocks {outside} "
@@ -566,7 +577,7 @@ class Reads:
             return
         try:
             self._check_route(t, route, grants)
-            if not self._admitted(t, grants):
+            if not self._admitted(t, route, grants):
                 return
             reading = t.reads_on(route)
             self._post_granted(t, route, reading, self._large(reading))

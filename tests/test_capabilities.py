@@ -110,3 +110,85 @@ def test_a_grant_is_not_reused_once_the_hold_it_came_from_ended():
         out = c.decode.decode(2, TOKENS, c.remote(1), blocks, 0, 3.0, c.p_shape)
         assert out["status"] == "failed" and "no longer holds" in out["reason"], out["reason"]
         assert nixl_transfers(c, 1) == reads
+
+
+class _RawEngine:
+    """One rank of a geometry of its own choosing on a real daemon, its memory at hand."""
+
+    def __init__(self, socket: str, engine_id: str, geo) -> None:
+        import os
+
+        import numpy as np
+
+        from kvxferd.client import EngineClient
+        from kvxferd.memory import buffer_address, create_shm
+        from kvxferd.plan.descriptors import region_addresses
+
+        self.geo, self.client = geo, EngineClient(socket, engine_id, geo.tp_rank, geo.tp_size)
+        fd, self.mm = create_shm(geo.buffers[0], engine_id)
+        self.view = np.frombuffer(self.mm, dtype=np.uint8)
+        self.side_channel = self.client.register(geo, shm_fds=[fd])
+        os.close(fd)
+        self.base = buffer_address(self.mm)
+        self.region_addr = region_addresses(geo, [self.base])
+
+    def _spans(self, blocks):
+        from kvxferd.integrity import block_rows
+
+        rows, _, _ = block_rows(self.geo, self.region_addr, blocks)
+        return [(a - self.base, n) for a, n in rows.tolist()]
+
+    def fill(self, blocks, value: int) -> None:
+        for off, n in self._spans(blocks):
+            self.view[off:off + n] = value
+
+    def values(self, blocks) -> set[int]:
+        return {int(v) for off, n in self._spans(blocks) for v in set(self.view[off:off + n].tolist())}
+
+
+@pytest.mark.parametrize("same_node", [False, True])
+def test_a_reader_listing_its_cache_groups_in_another_order_reads_only_what_is_granted(tmp_path, same_node):
+    """The planner pairs cache groups by name. A decode engine registering the same hybrid model
+    with its groups in another order named its own hold's swa ids in its full list (and the other
+    way round): a grant checked by group position passed, and the READ took another request's
+    blocks. The grant is now checked by group name: refused with nothing read; the same reader
+    naming its own blocks in its own order is received, with its own bytes."""
+    from kvxferd import protocol as P
+    from kvxferd.lab.synthetic.demo import DaemonProcess
+    from kvxferd.plan.models import build
+
+    shape = msgspec.structs.replace(PRESETS["gemma4"], num_blocks=64, layers=1, full_kv_heads=8, full_head_dim=32)
+    pgeo = build(shape, 1, 0)  # groups swa and full, 16 tokens a block each
+    dgeo = msgspec.structs.replace(pgeo, groups=tuple(reversed(pgeo.groups)))  # same model, groups reordered
+    assert [g.name for g in pgeo.groups] != [g.name for g in dgeo.groups]
+    prefill_daemon = DaemonProcess(tmp_path, "p")
+    decode_daemon = prefill_daemon if same_node else DaemonProcess(tmp_path, "d")
+    try:
+        pre = _RawEngine(prefill_daemon.socket, "prefill", pgeo)
+        dec = _RawEngine(decode_daemon.socket, "decode", dgeo)
+        host, port = pre.side_channel.rsplit(":", 1)
+        victim, own = [[20, 21, 22], [0, 1, 2]], [[0, 1, 2], [20, 21, 22]]  # per prefill group
+        pre.fill(victim, 0xAA)
+        pre.fill(own, 0x11)
+        token = new_read_token()
+        pre.client.hold("victim", 60.0, victim, read_token=new_read_token())
+        pre.client.hold("own", 60.0, own, read_token=token)
+        ref = P.RemoteRef("prefill", host, int(port), 1, "own", token, pre.client.daemon_key)
+        tokens, local = 3 * shape.block_size, [[5, 6, 7], [8, 9, 10]]
+
+        def read(request: str, remote) -> P.Completion:
+            dec.client.read(request, ref, tokens, local, remote, 10.0)
+            done = []
+            while not done:
+                done = dec.client.poll(10.0)
+            return done[0]
+        swapped = read("r1", [own[0], own[1]])  # the decode's full list = own swa ids: the victim's full blocks
+        assert swapped.status == "failed" and "does not grant" in swapped.reason, swapped
+        assert dec.values(local) == {0}
+        honest = read("r2", [own[1], own[0]])  # its own blocks, in its own group order
+        assert honest.status == "received", honest
+        assert dec.values(local) == {0x11}
+    finally:
+        prefill_daemon.stop()
+        if not same_node:
+            decode_daemon.stop()
