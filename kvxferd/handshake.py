@@ -91,13 +91,16 @@ class AuditRequest(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind",
     """Digests of the rows a consumer read from one held request of one prefill rank.
 
     `rows`: little-endian int64 pairs (address, length) in the prefill daemon's mapping,
-    as the consumer's READ named them."""
+    as the consumer's READ named them. `token`: the hold's read token, as a claim carries it
+    (digests of small rows give their bytes back: an audit is a read, and needs the capability).
+    A daemon before it refuses the field (upgrade prefill daemons first)."""
 
     version: int
     engine_id: Name
     tp_rank: Rank
     request_id: Name
     rows: Annotated[bytes, Meta(max_length=MAX_AUDIT_ROWS * 16)]
+    token: P.ReadToken = ""
 
 
 class AuditReply(msgspec.Struct):

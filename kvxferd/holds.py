@@ -586,6 +586,9 @@ class Holds:
                 return hs.AuditReply(False, f"{where} is not held yet", retry=True)
             return hs.AuditReply(False, f"{where} is not held (its lease passed, or it was never held): "
                                         "its blocks may have been reused")
+        if not held.admits(req.token):
+            return hs.AuditReply(False, f"{where} is held under another read token: an audit reads the hold's "
+                                        "bytes, and only its readers may")
         if held.digests is None:
             return hs.AuditReply(False, f"{where} was held without digests (integrity_audit is off on the "
                                         "prefill daemon and the hold did not ask for them)")

@@ -815,7 +815,8 @@ class Reads:
             if not len(lids):
                 continue
             remote = remote_rows(pp, rids, t.route.links[rank].remote_region_addr)[:, :2].astype("<i8")
-            request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes())
+            request = hs.AuditRequest(hs.HANDSHAKE_VERSION, ref.engine_id, rank, ref.request_id, remote.tobytes(),
+                                      ref.read_token)
             asked = asyncio.ensure_future(self._audit_answer(t, ref, request))
             try:
                 await asyncio.sleep(0)  # the request leaves; the prefill digests while we do

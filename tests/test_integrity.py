@@ -219,3 +219,39 @@ def test_a_hold_whose_connection_closes_before_its_reply_is_still_audited(tmp_pa
         assert out.status == "received", out
         want = testing.expect_after_read(before, geo, prompt, [0], [shape.block_size])
         assert testing.check(d.views, want, geo) == []  # the prompt's bytes, and nothing else touched
+
+
+def test_an_audit_without_the_holds_read_token_is_refused():
+    """An audit's digests of small rows give their bytes back (a digest of one word is the word
+    times an odd constant): a side-channel client that handshook but was never given the hold's
+    token asked for the digests of every word of a held request and recovered it all, with no
+    READ. An audit is a read: without the token it is refused; with it (the reader's) answered."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from kvxferd import handshake as hs
+    from kvxferd.plan.descriptors import region_addresses
+
+    with Cluster(SHAPE, 1, 1, daemon_args=["--integrity-audit"]) as c:
+        victim = c.prefill.prefill(1, 40, 30.0, read_token=c.read_token(1))
+
+        async def audit(token: str) -> hs.AuditReply:
+            ctx = zmq.asyncio.Context()
+            try:
+                reply = await hs.request(ctx, c.host, c.port, "prefill", 10.0, "a-stranger")
+                rank = reply.ranks[0]
+                rows, _, _ = integrity.block_rows(rank.geometry, region_addresses(rank.geometry, rank.buffer_addrs),
+                                                  victim)
+                words = np.concatenate([np.arange(a, a + n, 8) for a, n in rows[:4].tolist()])
+                asked = np.stack([words, np.full_like(words, 8)], axis=1).astype("<i8").tobytes()
+                return await hs.audit(ctx, c.host, c.port, hs.AuditRequest(
+                    hs.HANDSHAKE_VERSION, "prefill", 0, "req-1", asked, token), 10.0)
+            finally:
+                ctx.destroy(0)
+        stranger = asyncio.run(audit(""))
+        assert not stranger.ok and "another read token" in stranger.reason and not stranger.digests
+        assert not asyncio.run(audit("x" * 32)).ok  # a guessed token
+        assert asyncio.run(audit(c.read_token(1))).ok  # the reader's own audit
+        out = c.decode.decode(1, 40, c.remote(1), victim, 0, 10.0, c.p_shape, audit=True)
+        assert out["status"] == "received", out
