@@ -68,11 +68,36 @@ SKEW = 1e-3  # a grant is trusted to (1 - SKEW) of its length, less SKEW seconds
 RESTARTED = "prefill engine restarted under the same id"  # starts confirm's answer when that is why
 WARN_S = 10.0
 # Requests engines said they will read, and the claims those make (one per prefill rank: up to
-# 4,096 each). Each engine rank has its own quota, and each uid (max_expects_per_uid), beyond
-# which its own oldest are dropped; the daemon's bound, once many reach theirs, refuses a new
-# expectation (its read still claims).
+# 4,096 each). Each engine rank has its own quota, and each uid (max_expects_per_uid, and 65,536
+# claims), beyond which its own oldest are dropped; the daemon's bound (16 users at theirs) refuses
+# a new expectation (its read still claims).
 MAX_EXPECTS_PER_RANK, MAX_EXPECT_CLAIMS_PER_RANK = 4096, 1 << 16
+MAX_EXPECT_CLAIMS_PER_UID = 1 << 16  # an announcement of a TP-4096 prefill is 4,096 claims
 MAX_EXPECTS, MAX_EXPECT_CLAIMS = 1 << 16, 1 << 20
+
+
+class _Owned:
+    """One owner's (a rank's, a uid's) expectations in arrival order, and their claims counted."""
+
+    __slots__ = ("claims", "keys")
+
+    def __init__(self) -> None:
+        self.keys: dict[ExpectKey, None] = {}
+        self.claims = 0
+
+    def full(self, most: int, most_claims: int, more: int) -> bool:
+        return bool(self.keys) and (len(self.keys) >= most or self.claims + more > most_claims)
+
+    def took(self, key: ExpectKey, claims: int) -> _Owned:
+        self.keys[key] = None
+        self.claims += claims
+        return self
+
+    def gave(self, key: ExpectKey, claims: int) -> bool:
+        """`key` let go; whether any is left."""
+        del self.keys[key]
+        self.claims -= claims
+        return bool(self.keys)
 
 
 class Expectations:
@@ -81,8 +106,8 @@ class Expectations:
 
     def __init__(self, max_per_uid: int = 1 << 14) -> None:
         self._all: dict[ExpectKey, tuple[list[ClaimKey], float, int | None]] = {}  # in arrival order
-        self._by_rank: dict[tuple[str, int], dict[ExpectKey, int]] = {}  # rank -> its keys (claims each)
-        self._by_uid: dict[int, dict[ExpectKey, None]] = {}  # uid -> its keys, in arrival order
+        self._by_rank: dict[tuple[str, int], _Owned] = {}
+        self._by_uid: dict[int, _Owned] = {}
         self._max_per_uid = max_per_uid
         self._claims = 0
 
@@ -93,24 +118,23 @@ class Expectations:
             uid: int | None = None) -> tuple[bool, list[list[ClaimKey]]]:
         """Keep `key` (False when the daemon's bound leaves no room: nothing kept), and the claims
         of the rank's or uid's own expectations it pushed out to make room (to release either way)."""
-        rank = key[:2]
-        mine = self._by_rank.get(rank, {})
-        users = self._by_uid.get(uid, {}) if uid is not None else {}
+        rank, more = key[:2], len(keys)
+        mine = self._by_rank.get(rank, _Owned())
+        users = self._by_uid.get(uid, _Owned()) if uid is not None else _Owned()
         dropped = []
-        while users and len(users) >= self._max_per_uid:  # the user's own quota, across its ranks
-            dropped.append(self.pop(next(iter(users))) or [])
+        while users.full(self._max_per_uid, MAX_EXPECT_CLAIMS_PER_UID, more):  # the user's own, across its ranks
+            dropped.append(self.pop(next(iter(users.keys))) or [])
         # the rank's own quota, and the daemon's bound when many ranks reach it: room from its own oldest
-        while mine and (len(mine) >= MAX_EXPECTS_PER_RANK
-                        or sum(mine.values()) + len(keys) > MAX_EXPECT_CLAIMS_PER_RANK
-                        or len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS):
-            dropped.append(self.pop(next(iter(mine))) or [])
-        if len(self._all) >= MAX_EXPECTS or self._claims + len(keys) > MAX_EXPECT_CLAIMS:
+        while mine.full(MAX_EXPECTS_PER_RANK, MAX_EXPECT_CLAIMS_PER_RANK, more) or (
+                mine.keys and (len(self._all) >= MAX_EXPECTS or self._claims + more > MAX_EXPECT_CLAIMS)):
+            dropped.append(self.pop(next(iter(mine.keys))) or [])
+        if len(self._all) >= MAX_EXPECTS or self._claims + more > MAX_EXPECT_CLAIMS:
             return False, dropped
         self._all[key] = (keys, now, uid)
-        self._by_rank.setdefault(rank, {})[key] = len(keys)
+        self._by_rank[rank] = mine.took(key, more)
         if uid is not None:
-            self._by_uid.setdefault(uid, {})[key] = None
-        self._claims += len(keys)
+            self._by_uid[uid] = users.took(key, more)
+        self._claims += more
         return True, dropped
 
     def pop(self, key: ExpectKey) -> list[ClaimKey] | None:
@@ -118,20 +142,16 @@ class Expectations:
         if entry is None:
             return None
         keys, _, uid = entry
-        mine = self._by_rank[key[:2]]
-        del mine[key]
-        if not mine:
+        if not self._by_rank[key[:2]].gave(key, len(keys)):
             del self._by_rank[key[:2]]
-        if uid is not None:
-            users = self._by_uid[uid]
-            del users[key]
-            if not users:
-                del self._by_uid[uid]
+        if uid is not None and not self._by_uid[uid].gave(key, len(keys)):
+            del self._by_uid[uid]
         self._claims -= len(keys)
         return keys
 
     def of_rank(self, rank: tuple[str, int]) -> list[ExpectKey]:
-        return list(self._by_rank.get(rank, ()))
+        owned = self._by_rank.get(rank)
+        return list(owned.keys) if owned is not None else []
 
     def older_than(self, since: float) -> Iterator[ExpectKey]:
         """The expectations made before `since`, oldest first (stop iterating to stop looking)."""

@@ -40,7 +40,7 @@ class Quota:
     def check(self, er: EngineRank, also_new: int = 0) -> None:
         """RequestError when one more of `er`'s would pass a quota; `also_new`: more of the same
         rank applied before this one (a batch's)."""
-        rank, uid = er.key, er.uid
+        rank, uid = (er.engine_id, er.tp_rank), er.uid  # no property: the read's hot path
         mine = self.of_rank(rank) + also_new
         if mine >= self._per_rank:
             raise RequestError("bad_request", f"engine {rank[0]!r} rank {rank[1]} has {mine} {self._what} "
@@ -52,13 +52,14 @@ class Quota:
                                                   f"({self._uid_setting} {self._per_uid})")
 
     def take(self, er: EngineRank) -> None:
-        self._by_rank[er.key] = self._by_rank.get(er.key, 0) + 1
+        rank = er.engine_id, er.tp_rank
+        self._by_rank[rank] = self._by_rank.get(rank, 0) + 1
         if er.uid is not None:
             self._by_uid[er.uid] = self._by_uid.get(er.uid, 0) + 1
 
     def give(self, er: EngineRank) -> None:
         """One of `er`'s taken ended (a rank's uid never changes)."""
-        _drop(self._by_rank, er.key)
+        _drop(self._by_rank, (er.engine_id, er.tp_rank))
         if er.uid is not None:
             _drop(self._by_uid, er.uid)
 

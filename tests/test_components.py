@@ -449,11 +449,11 @@ async def test_handshake_answer_describes_the_serving_ranks(w: World) -> None:
 
 
 @in_world
-async def test_a_read_on_a_cached_route_reaches_the_read_post_through_six_files(w: World) -> None:
+async def test_a_read_on_a_cached_route_reaches_the_read_post_through_seven_files(w: World) -> None:
     """After the dispatch (rpc.py -> daemon.py), a read runs code of reads.py, its block lists'
-    arrays (protocol.py), what it reads (reading.py: its size, to build it on the loop or not; the
-    descriptor ids, plan/descriptors.py) and the lanes' size check (lanes.py) before
-    NixlDriver.read posts it: eight files in all."""
+    arrays (protocol.py), its rank's and uid's quota (quotas.py), what it reads (reading.py: its
+    size, to build it on the loop or not; the descriptor ids, plan/descriptors.py) and the lanes'
+    size check (lanes.py) before NixlDriver.read posts it: nine files in all."""
     d_er = w.decode.rank
     assert d_er is not None
     p_seq, d_seq = prompt(w, 7, 40)
@@ -473,7 +473,7 @@ async def test_a_read_on_a_cached_route_reaches_the_read_post_through_six_files(
     finally:
         sys.setprofile(None)
     assert "nixl_driver.py" in touched, touched
-    assert set(touched) == {"reads.py", "protocol.py", "reading.py", "plan/descriptors.py", "lanes.py",
+    assert set(touched) == {"reads.py", "protocol.py", "quotas.py", "reading.py", "plan/descriptors.py", "lanes.py",
                             "nixl_driver.py"}, touched
     assert (await w.completion(d_er)).status == "received"
 

@@ -111,7 +111,7 @@ def test_a_grant_of_a_prefill_daemon_since_restarted_vouches_for_nothing(tmp_pat
 
 
 class _FakeRank:
-    engine_id, tp_rank, key, epoch = "prefill", 0, ("prefill", 0), ""
+    engine_id, tp_rank, key, epoch, uid = "prefill", 0, ("prefill", 0), "", None
     geometry = SimpleNamespace(groups=[SimpleNamespace(name="attn", num_blocks=64)])
     mappings: tuple[object, ...] = ()  # no memory to look at
 
@@ -341,7 +341,8 @@ def test_a_refused_read_lets_go_of_what_its_engine_expected():
         leases = Leases(SimpleNamespace(to=lambda h, p, k="": Link()), Recorder(), "me", 20.0, True, 5.0)
         peers = SimpleNamespace(routes={}, keys=None)
         reads = Reads(SimpleNamespace(), peers, Recorder(), 60, SimpleNamespace(), max_per_rank=0, leases=leases)
-        er = SimpleNamespace(engine_id="decode", tp_rank=0, geometry=SimpleNamespace(groups=[object()]))
+        er = SimpleNamespace(engine_id="decode", tp_rank=0, key=("decode", 0), uid=None,
+                             geometry=SimpleNamespace(groups=[object()]))
         ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 2, "p-1")
         leases.expect(("decode", 0), "d-1", ref)
         await asyncio.sleep(0.01)
@@ -465,10 +466,12 @@ def _stand_in_reads(monkeypatch, link, nbytes: int, posted: list, completions: l
     monkeypatch.setattr(reads_mod.Transfer, "post", post)
     leases = Leases(SimpleNamespace(to=lambda h, p, k="": link, get=lambda h, p, k="": link), Recorder(), "me", 20.0,
                     True, 5.0)
-    er = SimpleNamespace(engine_id="decode", tp_rank=0, closing=False, geometry=SimpleNamespace(groups=[object()]),
+    attn = SimpleNamespace(groups=[SimpleNamespace(name="attn")])  # one cache group, on both sides
+    er = SimpleNamespace(engine_id="decode", tp_rank=0, key=("decode", 0), uid=None, closing=False, geometry=attn,
                          complete=completions.append)
     ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-1")
-    route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False, used=0.0, since=0.0),
+    route = SimpleNamespace(remote_tp=1, agent="", peer=SimpleNamespace(epoch="", local=False, used=0.0, since=0.0,
+                                                                      ranks={0: SimpleNamespace(geometry=attn)}),
                             plan=SimpleNamespace(targets=(0,)), rank=er, sources=(), lane="nixl",
                             rows_per_block=(0.0,))
 
@@ -653,3 +656,19 @@ def test_expectations_keep_every_quota_and_never_drop_another_uid_s(ops):
         for u in range(3):
             assert sum(1 for v in alive.values() if v[0] == u) <= 3
         assert exp._claims == sum(c for _, c in alive.values())
+
+
+def test_a_uid_s_announced_claims_are_bounded_so_that_others_are_still_kept():
+    """One announcement of a TP-4096 prefill is 4,096 claims: a uid announcing them from many
+    ranks (each under its rank's quotas) filled the daemon's bound of claims, after which no
+    other user's announcement was kept. A uid's claims are bounded too: its own oldest make room."""
+    exp = leases_mod.Expectations()
+    wide = leases_mod.MAX_EXPECT_CLAIMS_PER_UID // 4096
+    for rank in range(64):  # 64 ranks x 1 announcement each, 4,096 claims apiece
+        keys = [("h", 1, "p", i, f"q{rank}", "", "") for i in range(4096)]
+        kept, _ = exp.add((f"e{rank}", 0, f"r{rank}"), keys, float(rank), uid=1000)
+        assert kept
+    assert exp._claims == wide * 4096  # the uid's newest only
+    assert [k for k in (("e63", 0, "r63"), ("e0", 0, "r0")) if k in exp] == [("e63", 0, "r63")]
+    kept, dropped = exp.add(("other", 0, "x"), [("h", 1, "p", 0, "x", "", "")], 99.0, uid=2000)
+    assert kept and dropped == []

@@ -61,7 +61,7 @@ def driver(agent: Agent) -> NixlDriver:
 class Engine:
     """An engine rank as `Reads` tells it: the completions it was handed."""
 
-    engine_id, tp_rank = "decode", 0
+    engine_id, tp_rank, key, uid = "decode", 0, ("decode", 0), None
 
     def __init__(self) -> None:
         self.completions: list[P.Completion] = []
@@ -116,7 +116,7 @@ def through_reads(states: dict[str, str], refuse: dict[str, int], leases: Leases
                                   plan=SimpleNamespace(targets=[0]))
         t.claims = [("prefill", "p-" + request_id, "0")]
         reads._in_flight[t.key] = t
-    reads._per_rank[("decode", 0)] = len(requests)
+    reads._quota._by_rank[("decode", 0)] = len(requests)
     return reads, reads._in_flight[("decode", 0, requests[0])], agent
 
 
@@ -134,7 +134,7 @@ def test_a_done_read_whose_handle_nixl_keeps_is_received_quarantined_then_releas
     assert sorted(agent.freed) == ["a", "c"]
     reads.poll(1002.0)  # the quarantine's turn: released now, and the read no longer counts
     assert reads.quarantined == 0 and not t.running and sorted(agent.freed) == ["a", "b", "c"]
-    assert reads._per_rank == {} and agent.asked_after_free == []
+    assert reads._quota._by_rank == {} and agent.asked_after_free == []
     assert [c.status for c in t.engine.completions] == ["received"]  # no second completion
 
 
@@ -145,7 +145,7 @@ def test_a_failed_read_whose_handle_nixl_keeps_is_quarantined_and_nothing_is_ask
     assert c.status == "failed" and "transfer" in c.reason and c.block_ids == [[1, 2]]
     assert reads.quarantined == 1 and [p.handle for p in t.postings] == ["b"]
     reads.poll(1002.0)
-    assert reads.quarantined == 0 and sorted(agent.freed) == ["a", "b", "c"] and reads._per_rank == {}
+    assert reads.quarantined == 0 and sorted(agent.freed) == ["a", "b", "c"] and reads._quota._by_rank == {}
     assert agent.asked_after_free == []
 
 
@@ -155,7 +155,7 @@ def test_a_read_whose_end_raises_is_still_ended_once():
     reads._recorder.read_received = metrics_defect  # raises after the read is marked done, before `_end`
     reads.poll(1001.0)
     assert [c.status for c in t.engine.completions] == ["received"]  # told before the defect
-    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
+    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._quota._by_rank == {}
     assert sorted(agent.freed) == ["a", "b", "c"]
 
 
@@ -164,7 +164,7 @@ def test_a_read_whose_claims_release_raises_is_still_settled_and_counted():
     reads, t, agent = through_reads({"a": "DONE", "b": "DONE", "c": "DONE"}, refuse={}, leases=leases)
     reads.poll(1001.0)  # `_end` raises releasing the claims, after taking the read out of flight
     assert [c.status for c in t.engine.completions] == ["received"]
-    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._per_rank == {}
+    assert t.key not in reads._in_flight and reads.quarantined == 0 and reads._quota._by_rank == {}
     assert sorted(agent.freed) == ["a", "b", "c"] and agent.asked_after_free == []
 
 
@@ -195,7 +195,7 @@ def test_a_confirmed_read_whose_end_raises_in_its_task_is_still_ended_once():
 
     reads, t, agent = asyncio.run(main())
     assert [c.status for c in t.engine.completions] == ["received"]
-    assert t.key not in reads._in_flight and reads._per_rank == {} and reads.quarantined == 0
+    assert t.key not in reads._in_flight and reads._quota._by_rank == {} and reads.quarantined == 0
     assert sorted(agent.freed) == ["a", "b", "c"]
 
 
@@ -227,7 +227,7 @@ def test_a_read_whose_check_raises_ends_internal_and_the_others_are_still_checke
     broken.postings, fine.postings = [Checked(defect=True)], [Checked(defect=False)]
     for t in (broken, fine):
         reads._in_flight[t.key] = t
-    reads._per_rank[("decode", 0)] = 2
+    reads._quota._by_rank[("decode", 0)] = 2
     reads.poll(1001.0)  # raised out of the progress loop before
     assert broken.done and broken.key not in reads._in_flight and not broken.running
     (c,) = broken.engine.completions
@@ -236,7 +236,7 @@ def test_a_read_whose_check_raises_ends_internal_and_the_others_are_still_checke
     assert fine.postings[0].checked == 1 and fine.key in reads._in_flight and not fine.engine.completions
     reads.poll(1002.0)
     assert fine.postings[0].checked == 2 and not broken.engine.completions[1:]
-    assert reads._per_rank == {("decode", 0): 1}
+    assert reads._quota._by_rank == {("decode", 0): 1}
 
 
 def test_a_daemon_whose_loop_ends_exits_failing_rather_than_answer_without_progress(tmp_path):

@@ -24,7 +24,7 @@ def reads_with(pausing=lambda now: False) -> Reads:
 
 
 def transfer(reads: Reads, request_id: str, started: float, deadline_s: float) -> Transfer:
-    er = SimpleNamespace(engine_id="decode", tp_rank=0)
+    er = SimpleNamespace(engine_id="decode", tp_rank=0, key=("decode", 0), uid=None)
     ref = P.RemoteRef("prefill", "10.0.0.1", 5600, 1, "p-" + request_id)
     t = Transfer(er, P.Read("decode", 0, request_id, ref, 8, [[1]], [[1]], deadline_s), None, 0.0, started,
                  started + deadline_s)
