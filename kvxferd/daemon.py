@@ -509,24 +509,32 @@ class Daemon:
         (each refused item says why, the others that they were not applied)."""
         refusals: list[P.Error | None] = []
         new: dict[tuple[str, str, int], int] = {}  # new holds / reads per rank, earlier in this batch
+        new_of_uid: dict[tuple[str, int | None], int] = {}  # ... per uid (a batch may name several ranks)
         reading: set[tuple[str, int, str]] = set()  # reads earlier in this batch (a second hold renews)
+        holding: dict[tuple[str, int, str], str] = {}  # holds earlier in this batch: their read tokens
         for item in items:
             kind = type(item).__name__.lower()
             try:
                 er = self._rank(item.engine_id, item.tp_rank, conn, kind)
+                key = (item.engine_id, item.tp_rank, item.request_id)
                 if isinstance(item, P.Read):
-                    if (item.engine_id, item.tp_rank, item.request_id) in reading:
+                    if key in reading:
                         raise RequestError("bad_request", f"request {item.request_id!r} is already being read "
                                                           "(earlier in this batch)")
-                    reading.add((item.engine_id, item.tp_rank, item.request_id))
-                count = (kind, item.engine_id, item.tp_rank)
+                    reading.add(key)
+                if isinstance(item, P.Hold) and holding.setdefault(key, item.read_token) != item.read_token:
+                    raise RequestError("bad_request", f"request {item.request_id!r} is held under another "
+                                                      "read_token (earlier in this batch)")
+                count, of_uid = (kind, item.engine_id, item.tp_rank), (kind, er.uid)
                 if isinstance(item, P.Hold):
-                    new[count] = new.get(count, 0) + self.holds.check(er, item, new.get(count, 0))
+                    fresh = self.holds.check(er, item, new.get(count, 0), new_of_uid.get(of_uid, 0))
                 elif isinstance(item, P.Expect):
-                    pass  # the rank's own: nothing else to check
+                    fresh = False  # the rank's own: nothing else to check
                 else:
-                    self.reads.check(er, item, new.get(count, 0))
-                    new[count] = new.get(count, 0) + 1
+                    self.reads.check(er, item, new.get(count, 0), new_of_uid.get(of_uid, 0))
+                    fresh = True
+                new[count] = new.get(count, 0) + fresh
+                new_of_uid[of_uid] = new_of_uid.get(of_uid, 0) + fresh
                 refusals.append(None)
             except RequestError as exc:
                 refusals.append(P.Error(exc.code, str(exc)))

@@ -264,9 +264,10 @@ class Holds:
     def held(self) -> int:
         return len(self._held)
 
-    def check(self, er: EngineRank, msg: P.Hold, also_new: int = 0) -> bool:
+    def check(self, er: EngineRank, msg: P.Hold, also_new: int = 0, also_new_of_uid: int | None = None) -> bool:
         """What `hold` would refuse (RequestError), without holding; True for a new hold.
-        `also_new`: new holds of the same rank applied before this one (a batch's)."""
+        `also_new`: new holds of the same rank applied before this one (a batch's), and
+        `also_new_of_uid` of the same uid (default: the rank's)."""
         if msg.lease_s > self._max_lease_s:
             raise RequestError("bad_request", f"lease_s {msg.lease_s} outside (0, {self._max_lease_s}]")
         if not msg.read_token and not self._open_holds:
@@ -283,7 +284,7 @@ class Holds:
             return False
         _check_block_ids(er, msg.block_ids)
         self._check_memory(er)
-        self._quota.check(er, also_new)
+        self._quota.check(er, also_new, also_new_of_uid)
         return True
 
     def _check_memory(self, er: EngineRank) -> None:

@@ -37,16 +37,17 @@ class Quota:
     def of_uid(self, uid: int) -> int:
         return self._by_uid.get(uid, 0)
 
-    def check(self, er: EngineRank, also_new: int = 0) -> None:
+    def check(self, er: EngineRank, also_new: int = 0, also_new_of_uid: int | None = None) -> None:
         """RequestError when one more of `er`'s would pass a quota; `also_new`: more of the same
-        rank applied before this one (a batch's)."""
+        rank applied before this one (a batch's), `also_new_of_uid` of the same uid (default:
+        the rank's)."""
         rank, uid = (er.engine_id, er.tp_rank), er.uid  # no property: the read's hot path
         mine = self.of_rank(rank) + also_new
         if mine >= self._per_rank:
             raise RequestError("bad_request", f"engine {rank[0]!r} rank {rank[1]} has {mine} {self._what} "
                                               f"({self._rank_setting} {self._per_rank})")
         if uid is not None:
-            users = self.of_uid(uid) + also_new
+            users = self.of_uid(uid) + (also_new if also_new_of_uid is None else also_new_of_uid)
             if users >= self._per_uid:
                 raise RequestError("bad_request", f"uid {uid} has {users} {self._what} across its engines "
                                                   f"({self._uid_setting} {self._per_uid})")

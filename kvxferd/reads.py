@@ -400,9 +400,9 @@ class Reads:
         self._defects = Throttle(10.0)  # what is logged every poll while it lasts
 
     # --- start ----------------------------------------------------------------
-    def check(self, er: EngineRank, msg: P.Read, also_new: int = 0) -> None:
+    def check(self, er: EngineRank, msg: P.Read, also_new: int = 0, also_new_of_uid: int | None = None) -> None:
         """What `start` would refuse (RequestError), without starting. `also_new`: reads of the
-        same rank started before this one (a batch's)."""
+        same rank started before this one (a batch's), `also_new_of_uid` of the same uid."""
         if (er.engine_id, er.tp_rank, msg.request_id) in self._in_flight:
             raise RequestError("bad_request", f"request {msg.request_id!r} is already being read")
         if msg.deadline_s > self._max_deadline_s:
@@ -418,7 +418,7 @@ class Reads:
             if (ordered[1:] == ordered[:-1]).any():
                 raise RequestError("bad_request", f"remote block ids of group {g} name block "
                                                   f"{int(ordered[1:][ordered[1:] == ordered[:-1]][0])} twice")
-        self._quota.check(er, also_new)
+        self._quota.check(er, also_new, also_new_of_uid)
 
     def start(self, er: EngineRank, msg: P.Read, received_at: float) -> None:
         """Accept a read; it ends as a completion. Posts at once when the route is known."""

@@ -268,3 +268,36 @@ def test_open_holds_are_refused_where_the_operator_says_so(tmp_path):
         os.close(fd)
         mm.close()
         daemon.stop()
+
+
+def test_a_batch_is_checked_against_the_uid_s_quota_and_its_own_earlier_holds(tmp_path):
+    """A batch over several ranks of one uid counted only each rank's earlier items against the
+    uid's quota, so it passed max_holds_per_uid; and two holds of one new request under two
+    tokens both passed the check, the second failing as it was applied (half a batch kept, a
+    traceback logged per item). Both are refused whole now, naming why."""
+    from kvxferd.client import new_read_token
+
+    daemon = _daemon_with(tmp_path, KVXFERD_MAX_HOLDS_PER_UID="3")
+    geo = build(SHAPE, 1, 0)
+    fd, mm = create_shm(geo.buffers[0])
+    try:
+        with EngineClient(daemon.socket, "e0", 0, 1) as e0, EngineClient(daemon.socket, "e1", 0, 1) as e1:
+            e0.register(geo, shm_fds=[fd])
+            e1.register(geo, shm_fds=[fd])
+            e0.hold("h0", 30.0, [[0]])
+            e0.rpc.call(e1.requests.attach(e1.token), P.Ok)  # e0's connection acts for e1 too
+            spread = [e0.requests.hold("a", 30.0, [[1]]), e1.requests.hold("b", 30.0, [[2]]),
+                      e1.requests.hold("c", 30.0, [[3]])]  # 1 + 3 holds of one uid, over two ranks
+            results = e0.rpc.call(P.Batch(spread), P.Results).items
+            assert isinstance(results[2], P.Error) and "max_holds_per_uid 3" in results[2].message, results
+            assert sorted(h.request for h in e0.status().held) == ["h0"]
+            twice = [e0.requests.hold("d", 30.0, [[4]], read_token=new_read_token()),
+                     e0.requests.hold("d", 30.0, [[4]], read_token=new_read_token())]
+            results = e0.rpc.call(P.Batch(twice), P.Results).items
+            assert isinstance(results[1], P.Error) and "another read_token" in results[1].message, results
+            assert sorted(h.request for h in e0.status().held) == ["h0"]
+        assert "Traceback" not in (tmp_path / "daemon.log").read_text()
+    finally:
+        os.close(fd)
+        mm.close()
+        daemon.stop()
