@@ -47,7 +47,7 @@ from . import handshake as hs
 from . import integrity
 from . import protocol as P
 from .engines import EngineKey, EngineRank, Engines
-from .identity import fingerprinted
+from .identity import fingerprint_of, fingerprinted
 from .logs import Throttle
 from .nixl_driver import NixlDriver
 from .protocol import RequestError
@@ -141,6 +141,61 @@ class Early:
 
 
 MAX_EARLY_TOKENS = 16  # tokens early notifications of one request carry; others are dropped
+# (request, token) pairs waiting in all, and agents kept per pair: a peer notifying request ids
+# and tokens without end (or from many names of one key) is bounded to some MiB, oldest out
+MAX_EARLY_SLOTS, MAX_EARLY_SENDERS = 1 << 16, 64
+
+
+class EarlyBook:
+    """Notifications waiting for their holds, in arrival order (the first waited longest)."""
+
+    def __init__(self) -> None:
+        self._early: dict[HoldKey, Early] = {}
+        self._slots = 0  # (request, token) pairs held, all requests together
+
+    def __len__(self) -> int:
+        return len(self._early)
+
+    def add(self, key: HoldKey, n: hs.Notification, sender: str, now: float) -> int:
+        """Keep one notification; returns how many were dropped (its own, or the oldest's)."""
+        early = self._early.get(key)
+        dropped = 0
+        if early is None or n.token not in early.counts:  # a new (request, token) pair
+            if early is not None and len(early.counts) >= MAX_EARLY_TOKENS:
+                return 1
+            while self._slots >= MAX_EARLY_SLOTS or (early is None and len(self._early) >= MAX_EARLY):
+                oldest = next(iter(self._early))
+                dropped += self._drop(oldest)
+                early = None if oldest == key else early
+            if early is None:
+                early = self._early[key] = Early(n.expected, now)
+            self._slots += 1
+        early.counts[n.token] = early.counts.get(n.token, 0) + 1
+        senders = early.senders.setdefault(n.token, set())
+        if len(senders) < MAX_EARLY_SENDERS:
+            senders.add(sender)
+        early.expected = early.expects[n.token] = n.expected
+        return dropped
+
+    def take(self, key: HoldKey) -> Early | None:
+        early = self._early.pop(key, None)
+        if early is not None:
+            self._slots -= len(early.counts)
+        return early
+
+    def _drop(self, key: HoldKey) -> int:
+        early = self.take(key)
+        return early.count if early is not None else 0
+
+    def expire(self, before: float) -> int:
+        """Drop those that came before `before`; how many notifications they were."""
+        dropped = 0
+        while self._early:
+            key, early = next(iter(self._early.items()))
+            if early.first >= before:
+                break
+            dropped += self._drop(key)
+        return dropped
 
 
 # how a hold ended, the agents that notified it, and its engine's registration (epoch)
@@ -161,6 +216,9 @@ MAX_UNALIGNED_AUDIT_ROWS = 1 << 16
 # Peers' agents that handshook, per engine, trusted to notify for it: least recently used first
 # out (a handshake or an accepted notification uses one), so a live consumer stays.
 MAX_NOTIFIERS = 65536
+# ... and per daemon key: an agent name is its key's whatever comes before the fingerprint, so one
+# key could handshake under names without end and push every other peer's out; its own go first.
+MAX_NOTIFIERS_PER_KEY = 256
 
 
 def _check_block_ids(er: EngineRank, block_ids: P.Blocks) -> None:
@@ -254,9 +312,10 @@ class Holds:
         self._held: dict[HoldKey, Held] = {}  # in arrival order: the first is the oldest
         self._leases: list[tuple[float, int, Held]] = []  # heap of (deadline, tie-break, hold)
         self._seq = itertools.count()
-        self._early: dict[HoldKey, Early] = {}  # in arrival order
+        self._early = EarlyBook()
         self._ended: dict[HoldKey, Ended] = {}  # recently ended holds, oldest first (bounded)
         self._notifiers: OrderedDict[tuple[str, str], None] = OrderedDict()  # (engine id, peer agent)
+        self._notifiers_of_key: dict[str, OrderedDict[tuple[str, str], None]] = {}  # fingerprint -> its own
         self._refused_senders: set[str] = set()  # senders of refused notifications already logged
         self._unknown_logged = Throttle(UNKNOWN_LOG_S)  # notifications for an engine not registered here
 
@@ -317,7 +376,7 @@ class Holds:
                 digests.add_done_callback(_log_failure)
             held = self._held[key] = Held(er, msg.request_id, 0.0, now, msg.block_ids, digests=digests,
                                           read_token=msg.read_token)
-            early = self._early.pop(key, None)
+            early = self._early.take(key)
             if early is not None:
                 early.taken_by(held)
         held.lease_until = now + msg.lease_s  # a renewal never ends a hold before a pin it granted
@@ -390,16 +449,9 @@ class Holds:
                     log.warning("notification for unknown engine %s rank %d request %s dropped (logged at "
                                 "most every %g s)", n.engine_id, n.tp_rank, n.request_id, UNKNOWN_LOG_S)
                 return True
-            if key not in self._early and len(self._early) >= MAX_EARLY:  # oldest first: it waited longest
-                dropped = self._early.pop(next(iter(self._early)))
-                self._recorder.early_notifications_dropped(dropped.count)
-            early = self._early.setdefault(key, Early(n.expected, time.monotonic()))
-            if n.token not in early.counts and len(early.counts) >= MAX_EARLY_TOKENS:
-                self._recorder.early_notifications_dropped(1)
-                return True
-            early.counts[n.token] = early.counts.get(n.token, 0) + 1
-            early.senders.setdefault(n.token, set()).add(sender)
-            early.expected = early.expects[n.token] = n.expected
+            dropped = self._early.add(key, n, sender, time.monotonic())  # oldest out: it waited longest
+            if dropped:
+                self._recorder.early_notifications_dropped(dropped)
             self._recorder.notification_received("early")
             return True
         self._recorder.notification_received("consumer")
@@ -477,12 +529,9 @@ class Holds:
                 held.request_id, "expired", P.block_lists(held.block_ids),
                 reason=f"lease passed with {held.count} of {held.expected or '?'} consumers",
                 seconds=now - held.since))
-        while self._early:
-            key, early = next(iter(self._early.items()))
-            if now - early.first <= self._max_lease_s:
-                break
-            del self._early[key]
-            self._recorder.early_notifications_dropped(early.count)
+        expired = self._early.expire(now - self._max_lease_s)
+        if expired:
+            self._recorder.early_notifications_dropped(expired)
         oldest = next(iter(self._held.values()), None)
         self._recorder.holds_now(len(self._held), now - oldest.since if oldest else 0)
         if len(self._leases) > 2 * len(self._held) + 64:  # renewals left many stale entries
@@ -511,14 +560,34 @@ class Holds:
         metadata = self._nixl.partial_metadata([(m.address, m.nbytes, m.kind, m.device)
                                                 for e in ranks for m in e.mappings])
         if req.requester:  # its notifications for this engine count from now on
-            self._notifiers[(req.engine_id, req.requester)] = None
-            self._notifiers.move_to_end((req.engine_id, req.requester))
-            if len(self._notifiers) > MAX_NOTIFIERS:
-                self._notifiers.popitem(last=False)
+            self._trust_notifier((req.engine_id, req.requester))
         self._recorder.handshake_answered("ok")
         return hs.HandshakeReply(True, agent=self._nixl.name, metadata=metadata[0],
                                  ranks=[e.rank_info() for e in ranks], more_metadata=metadata[1:],
                                  epoch=ranks[0].epoch, notices=hs.NOTICE_VERSION, serve=hs.SERVE_VERSION)
+
+    def _trust_notifier(self, notifier: tuple[str, str]) -> None:
+        """`notifier` (engine id, agent) handshook: its notifications count, least recently used out."""
+        self._notifiers[notifier] = None
+        self._notifiers.move_to_end(notifier)
+        key = fingerprint_of(notifier[1])
+        if key:
+            own = self._notifiers_of_key.setdefault(key, OrderedDict())
+            own[notifier] = None
+            own.move_to_end(notifier)
+            if len(own) > MAX_NOTIFIERS_PER_KEY:
+                self._forget_notifier(next(iter(own)))
+        if len(self._notifiers) > MAX_NOTIFIERS:
+            self._forget_notifier(next(iter(self._notifiers)))
+
+    def _forget_notifier(self, notifier: tuple[str, str]) -> None:
+        self._notifiers.pop(notifier, None)
+        key = fingerprint_of(notifier[1])
+        own = self._notifiers_of_key.get(key) if key else None
+        if own is not None:
+            own.pop(notifier, None)
+            if not own:
+                del self._notifiers_of_key[key]
 
     def answer_lease(self, req: hs.LeaseRequest) -> hs.LeaseReply:
         """A decode daemon's claims on holds it reads or will read (see the module's doc). A

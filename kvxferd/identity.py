@@ -58,6 +58,12 @@ def fingerprinted(agent: str) -> bool:
     return _FINGERPRINTED.fullmatch(agent) is not None
 
 
+def fingerprint_of(agent: str) -> str:
+    """The key fingerprint an agent name ends with ("" for a name without one)."""
+    named = _FINGERPRINTED.fullmatch(agent)
+    return named.group(1) if named is not None else ""
+
+
 def speaks_for(requester: str, sender: str, unattributed: bool = True) -> bool:
     """`requester` (an agent name a message carries) may be `sender`'s (its Z85 public key, as ZAP
     authenticated it): a name with a fingerprint only the key it was made from; one without (a

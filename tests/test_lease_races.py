@@ -672,3 +672,36 @@ def test_a_uid_s_announced_claims_are_bounded_so_that_others_are_still_kept():
     assert [k for k in (("e63", 0, "r63"), ("e0", 0, "r0")) if k in exp] == [("e63", 0, "r63")]
     kept, dropped = exp.add(("other", 0, "x"), [("h", 1, "p", 0, "x", "", "")], 99.0, uid=2000)
     assert kept and dropped == []
+
+
+def test_early_notifications_are_bounded_in_all_oldest_out():
+    """Notifications of request ids not held yet, under tokens of any value: 65,536 ids x 16
+    tokens took 0.5 GiB of the prefill daemon. The pairs waiting are bounded in all (the oldest
+    dropped, counted) and so are the agents kept per pair."""
+    from kvxferd.holds import MAX_EARLY_SENDERS, MAX_EARLY_SLOTS, MAX_EARLY_TOKENS, EarlyBook
+
+    book, dropped = EarlyBook(), 0
+    for i in range(MAX_EARLY_SLOTS // 8):
+        for t in range(MAX_EARLY_TOKENS + 4):  # 4 tokens past a request's bound: dropped at once
+            dropped += book.add(("p", 0, f"r{i}"), hs.Notification("p", 0, f"r{i}", 1, f"{t:032x}"), "a", float(i))
+    assert book._slots <= MAX_EARLY_SLOTS and len(book) <= MAX_EARLY_SLOTS // MAX_EARLY_TOKENS
+    assert dropped >= (MAX_EARLY_SLOTS // 8) * 4
+    first_kept = next(iter(book._early))
+    assert first_kept[2] != "r0"  # the oldest went first
+    for s in range(MAX_EARLY_SENDERS * 2):
+        book.add(first_kept, hs.Notification("p", 0, first_kept[2], 1, f"{0:032x}"), f"agent-{s}", 0.0)
+    assert len(book.take(first_kept).senders[f"{0:032x}"]) == MAX_EARLY_SENDERS
+    assert book.expire(float("inf")) > 0 and len(book) == 0 and book._slots == 0
+
+
+def test_one_key_handshaking_under_many_names_pushes_out_only_its_own():
+    from kvxferd.holds import MAX_NOTIFIERS_PER_KEY
+    from kvxferd.identity import fingerprint
+
+    holds = Holds(SimpleNamespace(), SimpleNamespace(), Recorder(), 60.0)
+    honest = f"kvxferd-1-00-{fingerprint('b' * 40)}"
+    holds._trust_notifier(("prefill", honest))
+    for i in range(MAX_NOTIFIERS_PER_KEY * 3):
+        holds._trust_notifier(("prefill", f"name{i}-{fingerprint('a' * 40)}"))
+    assert ("prefill", honest) in holds._notifiers
+    assert len(holds._notifiers) == MAX_NOTIFIERS_PER_KEY + 1
