@@ -142,8 +142,9 @@ class Early:
 
 MAX_EARLY_TOKENS = 16  # tokens early notifications of one request carry; others are dropped
 # (request, token) pairs waiting in all, and agents kept per pair: a peer notifying request ids
-# and tokens without end (or from many names of one key) is bounded to some MiB, oldest out
-MAX_EARLY_SLOTS, MAX_EARLY_SENDERS = 1 << 16, 64
+# and tokens without end (or from many names of one key) is bounded (65,536 x 4 names of at
+# most 1 KiB: some 300 MiB at worst), oldest out; a sender past 4 keeps its pin to its claim's end
+MAX_EARLY_SLOTS, MAX_EARLY_SENDERS = 1 << 16, 4
 
 
 class EarlyBook:
