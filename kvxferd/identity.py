@@ -55,7 +55,7 @@ def fingerprint(public: bytes | str) -> str:
 
 def fingerprinted(agent: str) -> bool:
     """`agent` is the name of a daemon with a key (one that sends its notices on the side channel)."""
-    return _FINGERPRINTED.fullmatch(agent) is not None
+    return bool(fingerprint_of(agent))
 
 
 def fingerprint_of(agent: str) -> str:
@@ -68,10 +68,10 @@ def speaks_for(requester: str, sender: str, unattributed: bool = True) -> bool:
     """`requester` (an agent name a message carries) may be `sender`'s (its Z85 public key, as ZAP
     authenticated it): a name with a fingerprint only the key it was made from; one without (a
     daemon's from before fingerprints) only where `unattributed` names are accepted."""
-    named = _FINGERPRINTED.fullmatch(requester)
-    if named is None:
+    named = fingerprint_of(requester)
+    if not named:
         return unattributed
-    return hmac.compare_digest(named.group(1), fingerprint(sender))
+    return hmac.compare_digest(named, fingerprint(sender))
 
 
 class KeyRefused(ValueError):
